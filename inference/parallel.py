@@ -1,0 +1,50 @@
+"""Explicit tensor-parallel context: no module globals, so one block can be built alone in a test."""
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelContext:
+    world_size: int = 1
+    rank: int = 0
+    group: Optional[object] = None  # torch.distributed process group (None = default group)
+
+    @classmethod
+    def single(cls) -> "ParallelContext":
+        return cls(1, 0, None)
+
+    @classmethod
+    def from_env(cls, device: str = "cpu") -> "ParallelContext":
+        """Initialise torch.distributed from torchrun's environment (gloo on CPU, nccl on CUDA)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        return cls(world, rank, None)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_cat(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj, src: int = 0):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
