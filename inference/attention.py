@@ -1,0 +1,138 @@
+"""Attention: low-rank q, one shared KV head with a window ring, compressed KV picked by the indexer,
+sparse attention with sink, inverse RoPE on the output and the grouped low-rank output (modules §7)."""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .compressor import Compressor
+from .config import ModelArgs
+from .indexer import Indexer, _group_positions
+from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
+from .quant import fp4_qdq_e4m3_, fp8_qdq_
+from .rope import apply_rotary_
+from .sparse_attn import sparse_attn
+from .state import ModelContext
+
+
+def window_prefill_idx(s: int, window: int, device=None) -> torch.Tensor:
+    """[S, min(S, W)]: query t lists positions max(0, t-W+1) + e, -1 for positions after t."""
+    n = min(s, window)
+    t = torch.arange(s, device=device).unsqueeze(1)
+    pos = (t - window + 1).clamp_min(0) + torch.arange(n, device=device)
+    return torch.where(pos > t, -1, pos).to(torch.int32)
+
+
+def window_decode_idx(pos: int, window: int, device=None) -> torch.Tensor:
+    """[W]: ring slots oldest first, (pos mod W)+1 ... pos mod W; slots not yet written are -1."""
+    slots = (torch.arange(window, device=device) + pos % window + 1) % window
+    return torch.where(slots > pos, -1, slots).to(torch.int32)
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_id: int, ctx: ModelContext):
+        super().__init__()
+        args: ModelArgs = ctx.args
+        w = ctx.par.world_size
+        self.ctx, self.layer_id = ctx, layer_id
+        self.dim, self.n_heads, self.n_local_heads = args.dim, args.n_heads, args.n_heads // w
+        self.head_dim, self.rope_dim = args.head_dim, args.rope_head_dim
+        self.n_local_groups, self.o_lora_rank = args.o_groups // w, args.o_lora_rank
+        self.window = args.window_size
+        self.ratio = args.compress_ratios[layer_id]
+        self.softmax_scale = args.head_dim ** -0.5
+        self.is_backbone = layer_id < args.n_layers
+        self.wq_a = Linear(args.dim, args.q_lora_rank, args.dtype)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.n_heads * args.head_dim, args.dtype, ctx.par)
+        self.wkv = Linear(args.dim, args.head_dim, args.dtype)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.wo_a = ColumnParallelLinear(args.n_heads * args.head_dim // args.o_groups,
+                                         args.o_groups * args.o_lora_rank, "bf16", ctx.par)
+        self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx.par)
+        self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, self.window, args.head_dim,
+                                                     dtype=torch.bfloat16), persistent=False)
+        self.compressor = self.indexer = None
+        if self.is_backbone and layer_id in args.kv_source_layers:
+            self.compressor = Compressor(args, self.ratio)
+            self.register_buffer("compress_cache", torch.zeros(
+                args.max_batch_size, args.max_seq_len // self.ratio, args.head_dim, dtype=torch.bfloat16),
+                persistent=False)
+        if self.is_backbone and layer_id in args.index_source_layers:
+            self.indexer = Indexer(layer_id, ctx)
+
+    def freqs(self) -> torch.Tensor:
+        return self.ctx.freqs_for(self.layer_id)
+
+    def project_q(self, x: torch.Tensor, positions: slice) -> Tuple[torch.Tensor, torch.Tensor]:
+        qr = self.q_norm(self.wq_a(x))                                          # [B, S, q_lora]
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, hd]
+        apply_rotary_(q[..., -self.rope_dim:], self.freqs()[positions])
+        return q, qr
+
+    def project_kv(self, x: torch.Tensor, positions) -> torch.Tensor:
+        kv = self.kv_norm(self.wkv(x))                                          # [B, S, hd]
+        apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions])
+        return fp8_qdq_(kv)
+
+    def output(self, o: torch.Tensor, positions) -> torch.Tensor:
+        b, s = o.shape[:2]
+        apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], inverse=True)
+        o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
+        wo_a = self.wo_a.weight.view(self.n_local_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                             # [B, S, G_l, o_lora]
+        return self.wo_b(o.flatten(2))                                          # [B, S, D]
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        end = start_pos + s
+        pos = slice(start_pos, end)
+        q, qr = self.project_q(x, pos)
+        kv = self.project_kv(x, pos)
+        if start_pos == 0:
+            if s <= self.window:
+                self.kv_cache[:b, :s] = kv
+            else:
+                keep = torch.arange(s - self.window, s, device=x.device)
+                self.kv_cache[:b, keep % self.window] = kv[:, -self.window:]
+            kv_win, offset = kv, s
+            idx_win = window_prefill_idx(s, self.window, x.device).expand(b, s, -1)
+        else:
+            if s != 1:
+                raise ValueError("decode takes one token per call (start_pos > 0 with S > 1 is not supported)")
+            self.kv_cache[:b, start_pos % self.window] = kv[:, 0]
+            kv_win, offset = self.kv_cache[:b], self.window
+            idx_win = window_decode_idx(start_pos, self.window, x.device).expand(b, 1, -1)
+        if self.ratio == 0:
+            kv_all, idx = kv_win, idx_win
+        else:
+            topk = self.compressed_path(x, qr, start_pos, offset)
+            compressed = self.ctx.shared.compress_kv[:b, :end // self.ratio]
+            kv_all = torch.cat([kv_win, compressed], dim=1)                     # [B, n_win + T, hd]
+            idx = torch.cat([idx_win, topk], dim=-1)
+        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, S, H_l, hd]
+        return self.output(o, pos)
+
+    def compressed_path(self, x, qr, start_pos: int, offset: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        st, r = self.ctx.shared, self.ratio
+        latent: Optional[torch.Tensor] = None
+        if self.compressor is not None:
+            latent = self.compressor(x, start_pos)                             # [B, n, hd], unrotated
+            st.compress_kv = self.compress_cache
+        if self.indexer is not None:
+            if (start_pos + s) // r == 0:
+                topk = torch.empty(b, s, 0, dtype=torch.int32, device=x.device)
+            else:
+                topk = self.indexer(x, qr, latent, start_pos, offset)
+            st.topk_idxs = topk
+        else:
+            topk = st.topk_idxs
+        if latent is not None:
+            n = latent.shape[1]
+            apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[_group_positions(start_pos, n, r)])
+            fp4_qdq_e4m3_(latent)
+            first = start_pos // r
+            self.compress_cache[:b, first:first + n] = latent
+        return topk

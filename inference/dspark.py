@@ -1,0 +1,122 @@
+"""DSpark draft head (checkpoint `mtp.0..K`): window-only stages seeded with the main model's KV, a Markov
+head that chains the drafts and a confidence head (spec modules §11.1-11.4)."""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .attention import Attention
+from .hyper import hc_pre
+from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
+from .model import Block
+from .sampling import sample
+from .sparse_attn import sparse_attn
+from .state import ModelContext
+
+
+class DSparkAttention(Attention):
+    """Window-only attention whose ring holds main-model KV; the draft block attends to the ring (slot
+    order) and to all of its own rows (not causal inside the block)."""
+
+    def write_main_kv(self, main_x: torch.Tensor, start_pos: int) -> None:
+        b, m, _ = main_x.shape
+        kv = self.project_kv(main_x, slice(start_pos, start_pos + m))          # [B, m, hd]
+        keep = min(m, self.window)
+        slots = torch.arange(start_pos + m - keep, start_pos + m, device=main_x.device) % self.window
+        self.kv_cache[:b, slots] = kv[:, m - keep:]
+
+    def forward(self, x: torch.Tensor, start_pos: int, main_x: torch.Tensor) -> torch.Tensor:
+        b, blk, _ = x.shape
+        m = main_x.shape[1]
+        self.write_main_kv(main_x, start_pos)
+        pos = slice(start_pos + m, start_pos + m + blk)
+        q, _ = self.project_q(x, pos)
+        kv_all = torch.cat([self.kv_cache[:b], self.project_kv(x, pos)], dim=1)  # [B, W + blk, hd]
+        n_ring = min(self.window, start_pos + m)
+        idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
+        idx = idx.to(x.device).expand(b, blk, -1)
+        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)      # [B, blk, H_l, hd]
+        return self.output(o, pos)
+
+
+class MarkovHead(nn.Module):
+    """Rank-r token-to-token bigram bias on the draft logits."""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        a = ctx.args
+        self.embed = ParallelEmbedding(a.vocab_size, a.dspark_markov_rank, ctx.par)
+        self.head = ParallelHead(a.vocab_size, a.dspark_markov_rank, ctx.par)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        self.proj = Linear(ctx.args.dim + ctx.args.dspark_markov_rank, 1, "fp32")
+
+
+class DSparkStage(Block):
+    def __init__(self, stage: int, ctx: ModelContext):
+        a = ctx.args
+        layer_id = a.n_layers + stage
+        super().__init__(layer_id, ctx, attn=DSparkAttention(layer_id, ctx))
+        if stage == 0:
+            self.main_proj = Linear(len(a.dspark_target_layer_ids) * a.dim, a.dim, a.dtype)
+            self.main_norm = RMSNorm(a.dim, a.norm_eps)
+        if stage == a.n_mtp_layers - 1:
+            self.norm = RMSNorm(a.dim, a.norm_eps)
+            self.markov_head = MarkovHead(ctx)
+            self.confidence_head = ConfidenceHead(ctx)
+
+
+class DSpark(nn.ModuleList):
+    """The stages, stored as `mtp.{k}`. The token embedding and output head are the backbone's (shared,
+    not registered here, so the checkpoint has no `mtp.*.embed/head`)."""
+
+    def __init__(self, ctx: ModelContext, embed: ParallelEmbedding, head: ParallelHead):
+        super().__init__([DSparkStage(k, ctx) for k in range(ctx.args.n_mtp_layers)])
+        self.ctx = ctx
+        self._shared = (embed, head)
+
+    @torch.inference_mode()
+    def forward_spec(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int):
+        """input_ids [B] (the token at position start_pos + m), main_hidden [B, m, n_targets*D].
+
+        start_pos = 0 only seeds the rings and returns None; otherwise returns
+        (draft ids [B, blk+1], draft logits [B, blk, V] fp32 with the Markov bias, confidence [B, blk])."""
+        a = self.ctx.args
+        first, last = self[0], self[-1]
+        main_x = first.main_norm(first.main_proj(main_hidden))                   # [B, m, D]
+        if start_pos == 0:
+            for stage in self:
+                stage.attn.write_main_kv(main_x, 0)
+            return None
+        embed, _ = self._shared
+        b, blk = input_ids.shape[0], a.dspark_block_size
+        ids = torch.full((b, blk), a.dspark_noise_token_id, dtype=torch.long, device=input_ids.device)
+        ids[:, 0] = input_ids
+        x = embed(ids).unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                 # [B, blk, hc, D]
+        pre = torch.zeros(b, blk, a.hc_mult, dtype=torch.float32, device=x.device)
+        pre[..., 0] = 1
+        for stage in self:
+            x, pre = stage(x, start_pos, pre, None, main_x=main_x)
+        return self.forward_head(x, pre, input_ids)
+
+    def forward_head(self, x: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor):
+        a = self.ctx.args
+        last = self[-1]
+        _, head = self._shared
+        hidden = hc_pre(x, pre)                                                  # [B, blk, D]
+        logits = head(last.norm(hidden), all_positions=True)                    # [B, blk, V]
+        b, blk = hidden.shape[:2]
+        out = torch.zeros(b, blk + 1, dtype=torch.long, device=x.device)
+        out[:, 0] = input_ids
+        embs = []
+        for i in range(blk):
+            e = last.markov_head.embed(out[:, i])                                # [B, rank] bf16
+            logits[:, i] += last.markov_head.head(e, all_positions=True)
+            out[:, i + 1] = sample(logits[:, i], a.temperature)
+            embs.append(e)
+        feats = torch.cat([hidden, torch.stack(embs, dim=1)], dim=-1).float()    # [B, blk, D + rank]
+        confidence = last.confidence_head.proj(feats).squeeze(-1)               # [B, blk]
+        return out, logits, confidence

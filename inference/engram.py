@@ -1,0 +1,281 @@
+"""Engram (spec modules.md §9): compressed token map, prime layout, n-gram row ids, sharded tables, gate."""
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from tokenizers import Regex, Tokenizer, normalizers
+
+from .config import ModelArgs
+from .layers import Linear
+from .parallel import ParallelContext
+from .quant import ue8m0_to_float
+
+DEAD = -1  # compressed id of a position that must not be hashed (image tokens, unwritten history)
+
+
+class EngramError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §9.1 Compressed token map
+# ---------------------------------------------------------------------------------------------------------
+
+def engram_normalizer() -> normalizers.Normalizer:
+    # The sentinel keeps a token that is exactly one space as " " instead of letting Strip empty it.
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), "\ue000"),
+        normalizers.Strip(),
+        normalizers.Replace("\ue000", " "),
+    ])
+
+
+def build_compressed_token_map(tokenizer: Tokenizer, expected_size: int = 0) -> Tuple[torch.Tensor, int]:
+    """Map every token id to the index of its normalized text, numbered by first appearance.
+
+    Returns (int64 map [len(tokenizer)], number of distinct keys). `expected_size` > 0 is asserted: a
+    different count silently changes every hash, since the multipliers derive from it.
+    """
+    tok = getattr(tokenizer, "backend_tokenizer", tokenizer)  # accept a transformers fast tokenizer too
+    n = tok.get_vocab_size(with_added_tokens=True)
+    norm = engram_normalizer()
+    keys = {}
+    ids = []
+    # One decode per id: measured as fast as decode_batch (the per-call cost is tiny) and identical.
+    for t in range(n):
+        text = tok.decode([t], skip_special_tokens=False)
+        if "\ufffd" in text:  # partial UTF-8 byte token: key by the raw vocabulary string
+            key = tok.id_to_token(t)
+        else:
+            key = norm.normalize_str(text) or text
+        ids.append(keys.setdefault(key, len(keys)))
+    if expected_size > 0 and len(keys) != expected_size:
+        raise EngramError(f"Engram compressed token map has {len(keys)} distinct keys, but the config "
+                          f"expects engram_compressed_vocab_size = {expected_size} (different tokenizer or "
+                          f"tokenizers Unicode tables?)")
+    return torch.tensor(ids, dtype=torch.int64), len(keys)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §9.2 Layout: primes, offsets, multipliers
+# ---------------------------------------------------------------------------------------------------------
+
+def is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    # Miller-Rabin with these bases is deterministic for n < 3.3e24.
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+class EngramLayout:
+    """Per Engram layer: primes [orders, heads], column offsets [cols] and odd multipliers [max_ngram].
+
+    Column col = (n - 2) * n_heads + h for n-gram order n = 2..max_ngram and head h.
+    """
+
+    def __init__(self, args: ModelArgs, compressed_vocab_size: int):
+        self.layer_ids: List[int] = list(args.engram_layer_ids)
+        self.max_ngram = args.engram_max_ngram_size
+        self.n_orders = self.max_ngram - 1
+        self.n_heads = args.engram_n_heads
+        self.n_cols = self.n_orders * self.n_heads
+        self.pad_id = args.engram_pad_id
+        self.compressed_vocab_size = compressed_vocab_size
+        self.num_embeddings: List[int] = list(args.engram_num_embeddings)
+        if len(self.num_embeddings) != len(self.layer_ids):
+            raise EngramError(f"engram_num_embeddings has {len(self.num_embeddings)} entries but "
+                              f"engram_layer_ids has {len(self.layer_ids)}")
+
+        # Primes: one global `seen` set, so the search never hands out a prime twice across layers/orders.
+        seen = set()
+        primes = []
+        for i, layer_id in enumerate(self.layer_ids):
+            layer = []
+            for _ in range(self.n_orders):
+                c = args.engram_vocab_size - 1
+                order = []
+                for _ in range(self.n_heads):
+                    c += 1
+                    while c in seen or not is_prime(c):
+                        c += 1
+                    seen.add(c)
+                    order.append(c)
+                layer.append(order)
+            total = sum(map(sum, layer))
+            if total != self.num_embeddings[i]:
+                raise EngramError(f"Engram layer {layer_id}: the primes sum to {total} rows, but "
+                                  f"engram_num_embeddings[{i}] = {self.num_embeddings[i]}")
+            primes.append(layer)
+        self.primes = torch.tensor(primes, dtype=torch.int64).view(len(self.layer_ids), self.n_orders,
+                                                                   self.n_heads)
+        flat = self.primes.flatten(1)  # [n_layers, cols]
+        self.offsets = torch.cumsum(flat, dim=1) - flat  # exclusive prefix sums
+
+        # Multipliers: odd, and small enough that (compressed id) * m never overflows int64.
+        bound = max(1, ((2**63 - 1) // compressed_vocab_size) // 2)
+        mults = [np.random.default_rng(10007 * layer_id).integers(0, bound, size=self.max_ngram,
+                                                                  dtype=np.int64) * 2 + 1
+                 for layer_id in self.layer_ids]
+        self.multipliers = torch.from_numpy(np.stack(mults)).to(torch.int64)  # [n_layers, max_ngram]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §9.3 Hashing
+# ---------------------------------------------------------------------------------------------------------
+
+class EngramHasher(nn.Module):
+    """Turns token ids into Engram table rows, keeping each batch row's compressed ids across calls.
+
+    All state lives in non-persistent buffers: it follows the model across devices and never appears in a
+    state_dict. Unwritten history reads as DEAD, which blocks look-back like an image position.
+    """
+
+    def __init__(self, args: ModelArgs, token_map: torch.Tensor, compressed_vocab_size: int):
+        super().__init__()
+        expected = args.engram_compressed_vocab_size
+        if expected > 0 and compressed_vocab_size != expected:
+            raise EngramError(f"Engram compressed vocabulary is {compressed_vocab_size}, but the config "
+                              f"expects engram_compressed_vocab_size = {expected}")
+        self.layout = EngramLayout(args, compressed_vocab_size)
+        self.max_batch_size = args.max_batch_size
+        self.max_seq_len = args.max_seq_len
+        self.vocab = token_map.numel()
+        self.pad = int(token_map[args.engram_pad_id])
+        lay = self.layout
+        buffers = {
+            "token_map": token_map.to(torch.int64).clone(),  # [vocab]
+            "primes": lay.primes.flatten(1).clone(),  # [n_layers, cols]
+            "offsets": lay.offsets.clone(),  # [n_layers, cols]
+            "multipliers": lay.multipliers.clone(),  # [n_layers, max_ngram]
+            "ids": torch.full((args.max_batch_size, args.max_seq_len), DEAD, dtype=torch.int64),  # [B, T]
+        }
+        for name, t in buffers.items():
+            self.register_buffer(name, t, persistent=False)
+
+    @classmethod
+    def from_tokenizer(cls, args: ModelArgs, tokenizer: Tokenizer) -> "EngramHasher":
+        token_map, size = build_compressed_token_map(tokenizer, args.engram_compressed_vocab_size)
+        return cls(args, token_map, size)
+
+    def reset(self) -> None:
+        self.ids.fill_(DEAD)
+
+    @torch.no_grad()
+    def hash(self, input_ids: torch.Tensor, start_pos: int,
+             token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows [B, S, n_engram_layers, (max_ngram - 1) * n_heads] int64, offsets included."""
+        bsz, seqlen = input_ids.shape
+        end = start_pos + seqlen
+        if bsz > self.max_batch_size:
+            raise EngramError(f"batch of {bsz} rows exceeds max_batch_size = {self.max_batch_size}")
+        if start_pos < 0 or end > self.max_seq_len:
+            raise EngramError(f"positions {start_pos}..{end - 1} exceed max_seq_len = {self.max_seq_len}")
+        if token_mask is None:
+            token_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        real_ids = input_ids[token_mask]
+        if real_ids.numel() and (real_ids.min() < 0 or real_ids.max() >= self.vocab):
+            raise EngramError(f"token id out of range of the Engram token map (0..{self.vocab - 1})")
+
+        # Masked positions may carry any id (image placeholder); look up a harmless 0 there.
+        cur = self.token_map[torch.where(token_mask, input_ids, 0)]
+        self.ids[:bsz, start_pos:end] = torch.where(token_mask, cur, DEAD)
+
+        # Look-back window: shift s reads position p - s; blocked once it passes the start or a dead token.
+        k = self.layout.max_ngram
+        dev = self.ids.device
+        pos = torch.arange(start_pos, end, device=dev)[:, None] - torch.arange(k, device=dev)  # [S, k]
+        src = self.ids[:bsz][:, pos.clamp(min=0)]  # [B, S, k]
+        blocked = (pos < 0) | (src == DEAD)
+        blocked = blocked.cumsum(dim=-1) > 0  # once blocked, every older slot is blocked too
+        tok = torch.where(blocked, self.pad, src)  # [B, S, k]
+
+        # prod_s = tok_s * m[s]; R_n = XOR of prod_0..prod_{n-1}; m_0 multiplies the current token.
+        prod = tok[:, :, None, :] * self.multipliers  # [B, S, n_layers, k]
+        hashes = [prod[..., 0] ^ prod[..., 1]]
+        for s in range(2, k):
+            hashes.append(hashes[-1] ^ prod[..., s])
+        h = torch.stack(hashes, dim=-1)  # [B, S, n_layers, n_orders]
+        h = h.repeat_interleave(self.layout.n_heads, dim=-1)  # [B, S, n_layers, cols]
+        return h % self.primes + self.offsets  # [B, S, n_layers, cols]
+
+
+class ParallelEngramEmbedding(nn.Module):
+    """Engram table, rows sharded ceil(rows/W) per rank (the last rank's padding is never addressed).
+    E4M3 rows with one UE8M0 scale per 32 columns, dequantized only when looked up."""
+
+    def __init__(self, rows: int, dim: int, par: ParallelContext):
+        super().__init__()
+        self.par = par
+        self.part = -(-rows // par.world_size)
+        self.start = par.rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu),
+                                  requires_grad=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        local = rows - self.start
+        outside = (local < 0) | (local >= self.part)
+        local = local.masked_fill(outside, 0)
+        w = self.weight[local].float()                                       # [..., dim]
+        s = ue8m0_to_float(self.scale[local]).repeat_interleave(32, dim=-1)
+        y = (w * s).to(torch.bfloat16)
+        if self.par.world_size > 1:
+            y[outside] = 0
+            y = self.par.all_reduce(y)
+        return y
+
+
+class Engram(nn.Module):
+    """Gated add of one hashed n-gram value into every hc stream, before the block (modules §9.5)."""
+
+    def __init__(self, args: ModelArgs, engram_index: int, par: ParallelContext):
+        super().__init__()
+        self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
+        n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
+        self.embed = ParallelEngramEmbedding(args.engram_num_embeddings[engram_index], args.engram_head_dim, par)
+        self.wkv = Linear(n_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, args.dtype)
+        self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, S, hc, D] bf16 streams, rows [B, S, cols] table rows, mask [B, S] (False = image)."""
+        e = self.embed(rows).flatten(2)                                     # [B, S, cols*head_dim]
+        kv = self.wkv(e)                                                    # [B, S, (hc+1)*D]
+        key = kv[..., :self.hc * self.dim].unflatten(-1, (self.hc, self.dim)).float()   # [B, S, hc, D]
+        value = kv[..., self.hc * self.dim:].float()                        # [B, S, D]
+        w = self.q_weight.float() * self.k_weight.float()                   # [hc, D]
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (xf * w * key).sum(-1) * rstd * self.dim ** -0.5               # [B, S, hc]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if mask is not None:
+            gate = gate * mask.unsqueeze(-1)
+        return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

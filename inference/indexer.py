@@ -1,0 +1,112 @@
+"""Indexer: scores compressed positions per query and keeps the top-k (spec modules §7.6-7.7)."""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .config import ModelArgs
+from .layers import ColumnParallelLinear, Linear, RMSNorm
+from .quant import fp4_qdq_e8m0_
+from .rope import apply_rotary_
+from .state import ModelContext
+
+
+def topk_indices(x: torch.Tensor, k: int, deterministic: bool, sorted: bool = True) -> torch.Tensor:
+    """Indices of the k largest values; `deterministic` keeps the lowest index among exact ties."""
+    if deterministic:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    return x.topk(k, dim=-1, sorted=sorted).indices
+
+
+def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, n_blocks: int, block: int,
+                            deterministic: bool = False) -> torch.Tensor:
+    """Level 1: keep the n_blocks best blocks of `block` positions (block score = max), always keeping the
+    block of the newest visible position. score [B, S, T] -> bool mask [B, S, T]."""
+    b, s, t = score.shape
+    nb = -(-t // block)
+    padded = torch.nn.functional.pad(score, (0, nb * block - t), value=float("-inf"))
+    bscore = padded.unflatten(-1, (nb, block)).amax(-1)             # [B, S, nb]
+    newest = (compress_lens.view(-1, 1) - 1) // block                # [S or 1, 1]
+    forced = torch.arange(nb, device=score.device).view(1, -1) == newest
+    bscore = bscore.masked_fill(forced.unsqueeze(0), float("inf"))
+    k = min(n_blocks, nb)
+    top = topk_indices(bscore, k, deterministic)
+    keep = bscore.gather(-1, top) > float("-inf")                    # drop unreachable blocks
+    mask = torch.zeros_like(bscore, dtype=torch.bool).scatter_(-1, top, keep)
+    return mask.repeat_interleave(block, dim=-1)[..., :t]
+
+
+class Indexer(nn.Module):
+    def __init__(self, layer_id: int, ctx: ModelContext):
+        super().__init__()
+        args: ModelArgs = ctx.args
+        self.ctx, self.layer_id = ctx, layer_id
+        self.ratio = args.compress_ratios[layer_id]
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
+        self.n_local_heads = args.index_n_heads // ctx.par.world_size
+        self.topk = args.index_topk
+        self.owns_keys = layer_id in args.kv_source_layers
+        self.is_candidate_source = layer_id == args.candidate_source_layer
+        self.uses_candidates = 0 <= args.candidate_source_layer < layer_id
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.index_n_heads * args.index_head_dim,
+                                         args.dtype, ctx.par)
+        self.weights_proj = ColumnParallelLinear(args.dim, args.index_n_heads, "bf16", ctx.par)
+        # Global head count, even under TP: 1/sqrt(head_dim) * 1/sqrt(n_heads) (= 1/64 released, exact).
+        self.weight_scale = args.index_head_dim ** -0.5 * args.index_n_heads ** -0.5
+        if self.owns_keys:
+            self.wk = Linear(args.head_dim, args.index_head_dim, "bf16")
+            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+            self.register_buffer("k_cache", torch.zeros(args.max_batch_size, args.max_seq_len // self.ratio,
+                                                        args.index_head_dim, dtype=torch.bfloat16),
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
+                offset: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        end, r, st = start_pos + s, self.ratio, self.ctx.shared
+        freqs = self.ctx.compress_freqs
+        if self.owns_keys and latent is not None:
+            n = latent.shape[1]
+            first = start_pos // r
+            k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
+            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r)])
+            fp4_qdq_e8m0_(k)
+            self.k_cache[:b, first:first + n] = k
+            st.index_k = self.k_cache
+        elif self.owns_keys and self.ctx.opts.fix_index_k_publish:
+            st.index_k = self.k_cache
+        q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
+        apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end])
+        fp4_qdq_e8m0_(q)
+        t = end // r
+        keys = st.index_k[:b, :t]                                    # [B, T, ihd]
+        w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
+        score = torch.einsum("bshd,btd->bsht", q, keys)              # bf16 out, fp32 accumulation
+        score = (score.relu_() * w.unsqueeze(-1)).sum(dim=2)         # [B, S, T] bf16
+        score = self.ctx.par.all_reduce(score)
+        if start_pos == 0:
+            lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
+            score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
+        else:
+            lens = torch.full((s,), t, device=x.device)
+            if s > 1:
+                lens = (torch.arange(start_pos, end, device=x.device) + 1) // r
+                score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1),
+                                          float("-inf"))
+        if self.is_candidate_source:
+            a = self.ctx.args
+            st.candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks,
+                                                    a.candidate_block_size, self.ctx.opts.deterministic_topk)
+        elif self.uses_candidates:
+            score = score.masked_fill(~st.candidates, float("-inf"))
+        top = topk_indices(score, min(self.topk, t), self.ctx.opts.deterministic_topk, sorted=False)
+        top = top.sort(dim=-1).values
+        top = torch.where(top < lens.view(1, -1, 1), top + offset, -1)
+        return top.to(torch.int32)                                   # [B, S, k]
+
+
+def _group_positions(start_pos: int, n: int, ratio: int) -> torch.Tensor:
+    """RoPE position of each new compressed entry: the group's first token."""
+    if start_pos == 0:
+        return torch.arange(n) * ratio
+    return torch.tensor([start_pos + 1 - ratio])

@@ -1,0 +1,130 @@
+"""Linear layers (bf16 / fp32 / FP8 / MXFP4), tensor-parallel variants, embeddings, head, RMSNorm.
+
+Collectives are visible in the forward methods; the parallel context is passed in, never global.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .parallel import ParallelContext
+from .quant import block_scaled_gemm, dequant_fp4_weight, dequant_fp8_weight
+
+BLOCK = 32
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _param(shape, dtype):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T without bias. `kind`: fp8 (E4M3 + 32x32 UE8M0 scales), fp4 (MXFP4, per-32 row scales),
+    bf16 or fp32 (plain GEMM in that dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str = "bf16"):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        if kind == "fp8":
+            self.weight = _param((out_features, in_features), torch.float8_e4m3fn)
+            self.scale = _param((-(-out_features // BLOCK), -(-in_features // BLOCK)), torch.float8_e8m0fnu)
+        elif kind == "fp4":
+            self.weight = _param((out_features, in_features // 2), torch.float4_e2m1fn_x2)
+            self.scale = _param((out_features, in_features // BLOCK), torch.float8_e8m0fnu)
+        elif kind in _TORCH_DTYPES:
+            self.weight = _param((out_features, in_features), _TORCH_DTYPES[kind])
+            self.scale = None
+        else:
+            raise ValueError(f"unknown Linear kind {kind!r}")
+        self._deq: Optional[torch.Tensor] = None
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 value of an FP8/FP4 weight. Cached on CPU (the pure-torch path); recomputed on GPU, where
+        the fused kernels are the fast path and memory is the constraint."""
+        if self._deq is not None:
+            return self._deq
+        fn = dequant_fp8_weight if self.kind == "fp8" else dequant_fp4_weight
+        w = fn(self.weight, self.scale, BLOCK)
+        if self.weight.device.type == "cpu":
+            self._deq = w
+        return w
+
+    def clear_cache(self):
+        self._deq = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        return block_scaled_gemm(x, self.dequantized(), BLOCK)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over ranks; each rank's output slice is complete (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, ctx: ParallelContext):
+        if out_features % ctx.world_size:
+            raise ValueError(f"world size {ctx.world_size} does not divide {out_features} output features")
+        super().__init__(in_features, out_features // ctx.world_size, kind)
+
+
+class RowParallelLinear(Linear):
+    """Input features split over ranks; bf16 partials are summed in fp32 across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, ctx: ParallelContext):
+        if in_features % ctx.world_size:
+            raise ValueError(f"world size {ctx.world_size} does not divide {in_features} input features")
+        super().__init__(in_features // ctx.world_size, out_features, kind)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.ctx.world_size > 1:
+            y = self.ctx.all_reduce(y.float()).to(x.dtype)
+        return y
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocabulary rows split over ranks; ids owned elsewhere give zero rows, then a bf16 all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.part = vocab_size // ctx.world_size
+        self.start = ctx.rank * self.part
+        self.weight = _param((self.part, dim), torch.bfloat16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.world_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.start + self.part)
+        y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        y[outside] = 0
+        return self.ctx.all_reduce(y)
+
+
+class ParallelHead(nn.Module):
+    """fp32 output head, vocabulary rows split over ranks, logits all-gathered in rank order."""
+
+    def __init__(self, vocab_size: int, dim: int, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.weight = _param((vocab_size // ctx.world_size, dim), torch.float32)
+
+    def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        if not all_positions:
+            x = x[:, -1]
+        logits = F.linear(x.float(), self.weight)                   # [B, V/W] or [B, S, V/W]
+        return self.ctx.all_gather_cat(logits, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, weight_dtype=torch.bfloat16):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), weight_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x.float()
+        u = u * torch.rsqrt(u.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * u).to(x.dtype)

@@ -1,0 +1,156 @@
+"""Block and Transformer: the V4.1-Flash backbone with hyper-connections, Engram, DSpark hooks (modules §4-6)."""
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .attention import Attention
+from .config import ModelArgs, RuntimeOptions
+from .engram import Engram, EngramHasher, build_compressed_token_map
+from .hyper import hc_mixes, hc_post, hc_pre
+from .layers import ParallelEmbedding, ParallelHead, RMSNorm
+from .moe import MoE
+from .parallel import ParallelContext
+from .sampling import sample
+from .state import ModelContext
+
+
+class Block(nn.Module):
+    """One layer: attention site and FFN site, each wrapped by a hyper-connection mix.
+
+    Delayed (single-pass) schedule: each site collapses its input with the *previous* site's `pre`
+    and returns its own for the next one (modules §5.3)."""
+
+    def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
+        super().__init__()
+        a = ctx.args
+        self.layer_id, self.ctx = layer_id, ctx
+        backbone = layer_id < a.n_layers
+        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attn = attn if attn is not None else Attention(layer_id, ctx)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        if backbone:
+            self.ffn = MoE(ctx, a.n_routed_experts, a.n_activated_experts, with_bias_vl=a.vision_n_layers > 0)
+        else:  # DSpark stages: their own expert count and top-k; drafts are text (no bias_vl)
+            self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=False)
+        n_mix, width = (2 + a.hc_mult) * a.hc_mult, a.hc_mult * a.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", _p((n_mix, width)))
+            self.register_parameter(f"hc_{site}_base", _p((n_mix,)))
+            self.register_parameter(f"hc_{site}_scale", _p((3,)))
+        self.engram = None
+        if backbone and layer_id in a.engram_layer_ids:
+            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par)
+
+    def mixes(self, x: torch.Tensor, site: str):
+        a = self.ctx.args
+        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                        getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
+                image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
+        """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
+        residual = x
+        pre_a, post_a, comb_a = self.mixes(x, "attn")
+        y = self.attn(self.attn_norm(hc_pre(x, pre_mix)), start_pos, **attn_kwargs)   # [B, S, D]
+        x = hc_post(y, residual, post_a, comb_a)                                      # [B, S, hc, D]
+        residual = x
+        pre_f, post_f, comb_f = self.mixes(x, "ffn")
+        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a)), image_mask)
+        x = hc_post(y, residual, post_f, comb_f)
+        return x, pre_f
+
+
+def _p(shape, dtype=torch.float32):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, par: Optional[ParallelContext] = None,
+                 opts: Optional[RuntimeOptions] = None, device: str = "cpu", tokenizer=None,
+                 build_dspark: bool = True):
+        super().__init__()
+        par = par or ParallelContext.single()
+        args.validate(par.world_size)
+        self.args = args
+        with torch.device(device):
+            self.ctx = ModelContext(args, par, opts or RuntimeOptions(), device=device)
+            self.embed = ParallelEmbedding(args.vocab_size, args.dim, par)
+            self.layers = nn.ModuleList([Block(i, self.ctx) for i in range(args.n_layers)])
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.head = ParallelHead(args.vocab_size, args.dim, par)
+            self.mtp = None
+            if build_dspark and args.dspark_block_size > 0 and args.n_mtp_layers > 0:
+                from .dspark import DSpark
+                self.mtp = DSpark(self.ctx, self.embed, self.head)
+        self.engram_hasher: Optional[EngramHasher] = None
+        if tokenizer is not None and args.engram_layer_ids:
+            self.set_tokenizer(tokenizer)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """The Engram hashes need the compressed token map built from the tokenizer (modules §9.1)."""
+        token_map, size = build_compressed_token_map(tokenizer, self.args.engram_compressed_vocab_size)
+        self.engram_hasher = EngramHasher(self.args, token_map, size).to(self.ctx.device)
+
+    def reset(self) -> None:
+        """Zero every cache and the shared state (interactive /clear). Hygiene only: results do not change."""
+        for name, buf in self.named_buffers():
+            if name.endswith("score_state"):
+                buf.fill_(float("-inf"))
+            elif buf.dtype in (torch.bfloat16, torch.float32):
+                buf.zero_()
+        self.ctx.shared.reset()
+        if self.engram_hasher is not None:
+            self.engram_hasher.reset()
+
+    def check_inputs(self, input_ids: torch.Tensor, start_pos: int) -> None:
+        b, s = input_ids.shape
+        a = self.args
+        if b > a.max_batch_size:
+            raise ValueError(f"batch of {b} exceeds max_batch_size={a.max_batch_size}")
+        if start_pos + s > a.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
+        if start_pos > 0 and s != 1:
+            raise ValueError("decode calls (start_pos > 0) take exactly one token per row")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
+                token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
+                capture: Optional[Dict[str, List[torch.Tensor]]] = None):
+        """input_ids [B, S] -> (next_ids [B], logits [B, V] (or [B, S, V] with all_logits) fp32,
+        main_hidden [B, S, len(targets)*D] bf16 or None)."""
+        a = self.args
+        self.check_inputs(input_ids, start_pos)
+        b, s = input_ids.shape
+        image_mask = token_types >= 0 if token_types is not None else None
+        engram_mask = ~image_mask if image_mask is not None else None
+        hashes = None
+        if a.engram_layer_ids:
+            if self.engram_hasher is None:
+                raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
+            hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask)    # [B, S, n_eng, cols]
+        h = self.embed(input_ids)                                                   # [B, S, D]
+        if images:
+            raise NotImplementedError("image inputs are not supported by this build")
+        x = h.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                               # [B, S, hc, D]
+        pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
+        pre[..., 0] = 1                                                              # one-hot on stream 0
+        main_hiddens = []
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                x = layer.engram(x, hashes[:, :, a.engram_layer_ids.index(i)], engram_mask)
+                if capture is not None:
+                    capture.setdefault("engram_out", []).append(x)
+            if i in a.dspark_target_layer_ids:
+                main_hiddens.append(x.mean(dim=2))                                  # the block *input*
+            x, pre = layer(x, start_pos, pre, image_mask)
+            if capture is not None:
+                capture.setdefault("block_out", []).append(x)
+                capture.setdefault("block_pre_mix", []).append(pre)
+        x = self.norm(hc_pre(x, pre))
+        if capture is not None:
+            capture["final_norm"] = [x]
+        logits = self.head(x, all_positions=all_logits)
+        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature)
+        main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
+        return next_ids, logits, main_hidden

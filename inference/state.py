@@ -1,0 +1,50 @@
+"""Objects shared by the attention layers of one model: RoPE tables and the cross-layer attention state."""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .config import ModelArgs, RuntimeOptions
+from .parallel import ParallelContext
+from .rope import precompute_freqs_cis
+
+
+@dataclass
+class SharedAttentionState:
+    """Written by source layers and read by later layers in the same call (spec modules §7.3).
+
+    `index_k` persists across calls on purpose: the official code reads a stale one (modules §7.9).
+    """
+    compress_kv: Optional[torch.Tensor] = None
+    index_k: Optional[torch.Tensor] = None
+    topk_idxs: Optional[torch.Tensor] = None
+    candidates: Optional[torch.Tensor] = None
+
+    def reset(self):
+        self.compress_kv = self.index_k = self.topk_idxs = self.candidates = None
+
+
+@dataclass
+class ModelContext:
+    """Everything a layer needs besides its own weights: config, parallelism, options, RoPE, shared state."""
+    args: ModelArgs
+    par: ParallelContext = field(default_factory=ParallelContext.single)
+    opts: RuntimeOptions = field(default_factory=RuntimeOptions)
+    device: str = "cpu"
+    window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
+    compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
+    shared: SharedAttentionState = field(default_factory=SharedAttentionState)
+
+    def __post_init__(self):
+        a = self.args
+        if self.window_freqs is None:
+            self.window_freqs = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
+                                                     device=self.device)
+        if self.compress_freqs is None:
+            self.compress_freqs = precompute_freqs_cis(
+                a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
+                a.beta_fast, a.beta_slow, device=self.device)
+
+    def freqs_for(self, layer_id: int) -> torch.Tensor:
+        ratio = self.args.compress_ratios[layer_id]
+        return self.compress_freqs if ratio > 0 else self.window_freqs
