@@ -13,6 +13,7 @@ from .moe import MoE
 from .parallel import ParallelContext
 from .sampling import sample
 from .state import ModelContext
+from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddings
 
 
 class Block(nn.Module):
@@ -31,8 +32,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         if backbone:
             self.ffn = MoE(ctx, a.n_routed_experts, a.n_activated_experts, with_bias_vl=a.vision_n_layers > 0)
-        else:  # DSpark stages: their own expert count and top-k; drafts are text (no bias_vl)
-            self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=False)
+        else:  # DSpark stages: their own expert count and top-k; bias_vl is stored but drafts are text
+            self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=a.vision_n_layers > 0)
         n_mix, width = (2 + a.hc_mult) * a.hc_mult, a.hc_mult * a.dim
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", _p((n_mix, width)))
@@ -68,7 +69,7 @@ def _p(shape, dtype=torch.float32):
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, par: Optional[ParallelContext] = None,
                  opts: Optional[RuntimeOptions] = None, device: str = "cpu", tokenizer=None,
-                 build_dspark: bool = True):
+                 build_dspark: bool = True, language_model_only: bool = False):
         super().__init__()
         par = par or ParallelContext.single()
         args.validate(par.world_size)
@@ -79,6 +80,12 @@ class Transformer(nn.Module):
             self.layers = nn.ModuleList([Block(i, self.ctx) for i in range(args.n_layers)])
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.head = ParallelHead(args.vocab_size, args.dim, par)
+            self.vision = self.aligner = None
+            if args.vision_n_layers > 0 and not language_model_only:
+                self.vision = VisionTransformer(args)
+                self.aligner = Aligner(args)
+                for name in ("image_start", "image_end", "image_newline"):
+                    self.register_parameter(name, _p((args.dim,), torch.bfloat16))
             self.mtp = None
             if build_dspark and args.dspark_block_size > 0 and args.n_mtp_layers > 0:
                 from .dspark import DSpark
@@ -102,6 +109,24 @@ class Transformer(nn.Module):
         self.ctx.shared.reset()
         if self.engram_hasher is not None:
             self.engram_hasher.reset()
+
+    def merge_images(self, h: torch.Tensor, images, token_types, start_pos: int) -> None:
+        """Overwrite each image span of h with the aligner rows and the learned start/newline/end vectors.
+        images: per batch row, a list of vision.ImageInput with `.start` set (modules §10.5)."""
+        if self.vision is None:
+            raise ValueError("this model was built without the vision tower (vision_n_layers = 0 or "
+                             "--language-model-only): prompts with images are not supported")
+        if start_pos != 0 or token_types is None:
+            raise ValueError("image spans must be prefilled in a single chunk at start_pos 0, with token_types")
+        for b, row in enumerate(images):
+            for img in row or []:
+                rows = encode_image(self.vision, self.aligner, img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
+                span = image_span_embeddings(rows, img.n_llm_h, img.n_llm_w, self.image_start,
+                                             self.image_newline, self.image_end)
+                if img.start < 0 or img.start + span.shape[0] > h.shape[1]:
+                    raise ValueError(f"image span at {img.start} (length {span.shape[0]}) does not fit the "
+                                     f"prefill chunk of {h.shape[1]} tokens")
+                h[b, img.start:img.start + span.shape[0]] = span
 
     def check_inputs(self, input_ids: torch.Tensor, start_pos: int) -> None:
         b, s = input_ids.shape
@@ -130,8 +155,8 @@ class Transformer(nn.Module):
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
             hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask)    # [B, S, n_eng, cols]
         h = self.embed(input_ids)                                                   # [B, S, D]
-        if images:
-            raise NotImplementedError("image inputs are not supported by this build")
+        if images is not None and any(images):
+            self.merge_images(h, images, token_types, start_pos)
         x = h.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                               # [B, S, hc, D]
         pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1                                                              # one-hot on stream 0

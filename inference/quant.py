@@ -26,7 +26,8 @@ def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte e -> 2^(e-127) in fp32 (byte 0 is 2^-127, not zero)."""
     if s.dtype == torch.float8_e8m0fnu:
         s = s.view(torch.uint8)
-    return (s.to(torch.int32) << 23).view(torch.float32)
+    out = (s.to(torch.int32) << 23).view(torch.float32)
+    return torch.where(s == 0, 2.0 ** -127, out)  # byte 0 is the fp32 subnormal 2^-127
 
 
 def float_to_ue8m0(s: torch.Tensor) -> torch.Tensor:
