@@ -81,8 +81,7 @@ class Indexer(nn.Module):
         t = end // r
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
-        score = torch.einsum("bshd,btd->bsht", q, keys)              # bf16 out, fp32 accumulation
-        score = (score.relu_() * w.unsqueeze(-1)).sum(dim=2)         # [B, S, T] bf16
+        score = _head_weighted_scores(q, keys, w)                    # [B, S, T] bf16
         score = self.ctx.par.all_reduce(score)
         if start_pos == 0:
             lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
@@ -110,3 +109,16 @@ def _group_positions(start_pos: int, n: int, ratio: int) -> torch.Tensor:
     if start_pos == 0:
         return torch.arange(n) * ratio
     return torch.tensor([start_pos + 1 - ratio])
+
+
+def _head_weighted_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
+                          max_elems: int = 1 << 26) -> torch.Tensor:
+    """sum_h ReLU(q_h . k) * w_h in bf16: per-head scores rounded to bf16, products rounded to bf16, one
+    reduction over heads. Long prefills are processed in query chunks to bound the [S, H, T] intermediate."""
+    b, s, h, _ = q.shape
+    rows = max(1, max_elems // max(1, b * h * keys.shape[1]))
+    parts = []
+    for s0 in range(0, s, rows):
+        score = torch.einsum("bshd,btd->bsht", q[:, s0:s0 + rows], keys)        # bf16 out, fp32 accumulation
+        parts.append((score.relu_() * w[:, s0:s0 + rows].unsqueeze(-1)).sum(dim=2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

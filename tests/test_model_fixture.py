@@ -127,3 +127,38 @@ def test_reset_changes_nothing(fx):
     model.reset()
     _, c, _ = model(ids, 0)
     assert torch.equal(b, c)
+
+
+def test_batch_of_two_right_padded(fx):
+    """Two prompts of different lengths in one batch, run like the official generate loop (prefill the
+    shortest length, then one position per call, the longer row teacher-forced from its prompt), give each
+    row what it gets alone, up to the batch-composition noise of numerics §15."""
+    from encoding.tokenizer import load_tokenizer
+    _, ref, _ = fx
+    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_batch_size=2)
+    model = Transformer(args, tokenizer=load_tokenizer(FIXTURE))
+    load_checkpoint(model, FIXTURE)
+    text = torch.cat([ref["prompt_ids"], ref["generated_ids"]], dim=1)[0]        # 322 tokens
+    total, lens = 316, [301, 290]
+    batch = torch.stack([text[:total], text[6:6 + total]])
+
+    def run(rows):
+        """Logits predicting positions short..total-1, keyed by the position of the last input token."""
+        model.reset()
+        short = min(lens[i] for i in rows)
+        _, out, _ = model(batch[rows, :short], 0)
+        outs = {short - 1: out}
+        for pos in range(short, total - 1):
+            _, outs[pos], _ = model(batch[rows, pos:pos + 1], pos)
+        return outs
+
+    both = run([0, 1])
+    for i in (0, 1):
+        alone = run([i])
+        got = torch.stack([both[p][i] for p in sorted(alone)])
+        want = torch.stack([alone[p][0] for p in sorted(alone)])
+        d = (got - want).abs()
+        assert d.max() <= 0.25 and d.mean() <= 0.03, (i, d.max().item(), d.mean().item())
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * d.max()
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
