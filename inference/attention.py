@@ -29,6 +29,17 @@ def window_decode_idx(pos: int, window: int, device=None) -> torch.Tensor:
     return torch.where(slots > pos, -1, slots).to(torch.int32)
 
 
+def window_extend_idx(start_pos: int, s: int, window: int, device=None) -> torch.Tensor:
+    """[S, W] decode-layout lists over [ring before the call (W rows) | chunk rows (S)]: for the query at
+    position q, slot o stands for position pi = q - ((q - o) mod W); ring row if pi < start_pos, else
+    row W + pi - start_pos; -1 if pi < 0."""
+    q = torch.arange(start_pos, start_pos + s, device=device).unsqueeze(1)         # [S, 1]
+    slots = (torch.arange(window, device=device) + q % window + 1) % window          # [S, W] oldest first
+    pos = q - (q - slots) % window
+    idx = torch.where(pos < start_pos, slots, window + pos - start_pos)
+    return torch.where(pos < 0, -1, idx).to(torch.int32)
+
+
 class Attention(nn.Module):
     def __init__(self, layer_id: int, ctx: ModelContext):
         super().__init__()
@@ -61,6 +72,19 @@ class Attention(nn.Module):
                 persistent=False)
         if self.is_backbone and layer_id in args.index_source_layers:
             self.indexer = Indexer(layer_id, ctx)
+
+    def rollback(self, keep_until: int) -> None:
+        """Undo the ring writes of an extend call for positions > keep_until."""
+        journal = getattr(self, "journal", None)
+        if journal is None:
+            return
+        start, s, ring = journal
+        b = ring.shape[0]
+        for pos in range(max(start, keep_until + 1), start + s):
+            self.kv_cache[:b, pos % self.window] = ring[:, pos % self.window]
+        if self.compressor is not None:
+            self.compressor.rollback(keep_until)
+        self.journal = None
 
     def freqs(self) -> torch.Tensor:
         return self.ctx.freqs_for(self.layer_id)
@@ -98,12 +122,20 @@ class Attention(nn.Module):
                 self.kv_cache[:b, keep % self.window] = kv[:, -self.window:]
             kv_win, offset = kv, s
             idx_win = window_prefill_idx(s, self.window, x.device).expand(b, s, -1)
-        else:
-            if s != 1:
-                raise ValueError("decode takes one token per call (start_pos > 0 with S > 1 is not supported)")
+        elif s == 1:
             self.kv_cache[:b, start_pos % self.window] = kv[:, 0]
             kv_win, offset = self.kv_cache[:b], self.window
             idx_win = window_decode_idx(start_pos, self.window, x.device).expand(b, 1, -1)
+        else:
+            # Extend (project addition, modules §11.6): every row sees what a single-token decode at its
+            # position would see. The ring as it was, then the chunk's rows; slots are journaled for rollback.
+            if s > self.window:
+                raise ValueError(f"an extend call takes at most window_size={self.window} tokens")
+            kv_win, offset = torch.cat([self.kv_cache[:b].clone(), kv], dim=1), self.window + s
+            idx_win = window_extend_idx(start_pos, s, self.window, x.device).expand(b, s, -1)
+            slots = torch.arange(start_pos, end, device=x.device) % self.window
+            self.journal = (start_pos, s, kv_win[:, :self.window].clone())
+            self.kv_cache[:b, slots] = kv
         if self.ratio == 0:
             kv_all, idx = kv_win, idx_win
         else:
@@ -131,7 +163,8 @@ class Attention(nn.Module):
             topk = st.topk_idxs
         if latent is not None:
             n = latent.shape[1]
-            apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[_group_positions(start_pos, n, r)])
+            group_pos = _group_positions(start_pos, n, r, x.device)
+            apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos])
             fp4_qdq_e4m3_(latent)
             first = start_pos // r
             self.compress_cache[:b, first:first + n] = latent

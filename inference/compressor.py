@@ -23,10 +23,10 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(args.head_dim, args.norm_eps)
         if ratio == 2:
             # Tail of an incomplete group, carried across calls: [max_batch, ratio, head_dim] fp32.
-            self.register_buffer("kv_state", torch.zeros(args.max_batch_size, ratio, args.head_dim),
+            shape = (args.max_batch_size, ratio, args.head_dim)
+            self.register_buffer("kv_state", torch.zeros(shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32),
                                  persistent=False)
-            self.register_buffer("score_state", torch.full((args.max_batch_size, ratio, args.head_dim),
-                                                           float("-inf")), persistent=False)
 
     def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
         b, s, _ = x.shape
@@ -45,12 +45,32 @@ class Compressor(nn.Module):
             score = score[:, :2 * n].unflatten(1, (n, 2))
             pooled = (kv * score.softmax(dim=2)).sum(dim=2)          # [B, n, hd]
         else:
-            if s != 1:
-                raise ValueError("the ratio-2 compressor decodes one token per call")
-            slot = start_pos % 2
-            self.kv_state[:b, slot] = kv[:, 0]
-            self.score_state[:b, slot] = score[:, 0]
-            if (start_pos + 1) % 2:
+            # Decode, or an extend processed position by position exactly as decode does.
+            if s > 1:
+                self.journal = (start_pos, self.kv_state[:b].clone(), self.score_state[:b].clone(), kv, score)
+            pooled = []
+            for i in range(s):
+                self._store(start_pos + i, kv[:, i], score[:, i])
+                if (start_pos + i + 1) % 2 == 0:
+                    pooled.append((self.kv_state[:b] * self.score_state[:b].softmax(dim=1)).sum(dim=1, keepdim=True))
+            if not pooled:
                 return None
-            pooled = (self.kv_state[:b] * self.score_state[:b].softmax(dim=1)).sum(dim=1, keepdim=True)
+            pooled = torch.cat(pooled, dim=1)                        # [B, n, hd]
         return self.norm(pooled.to(x.dtype))                         # bf16 first, then RMSNorm
+
+    def _store(self, pos: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        b = kv.shape[0]
+        self.kv_state[:b, pos % 2] = kv
+        self.score_state[:b, pos % 2] = score
+
+    def rollback(self, keep_until: int) -> None:
+        """After an extend call: the tail as if only positions <= keep_until had been processed."""
+        journal = getattr(self, "journal", None)
+        if self.ratio == 1 or journal is None:
+            return
+        start, kv_state, score_state, kv, score = journal
+        b = kv_state.shape[0]
+        self.kv_state[:b], self.score_state[:b] = kv_state, score_state
+        for i in range(max(0, min(kv.shape[1], keep_until - start + 1))):
+            self._store(start + i, kv[:, i], score[:, i])
+        self.journal = None

@@ -69,7 +69,7 @@ class Indexer(nn.Module):
             n = latent.shape[1]
             first = start_pos // r
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
-            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r)])
+            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)])
             fp4_qdq_e8m0_(k)
             self.k_cache[:b, first:first + n] = k
             st.index_k = self.k_cache
@@ -82,6 +82,13 @@ class Indexer(nn.Module):
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = _head_weighted_scores(q, keys, w)                    # [B, S, T] bf16
+        if (start_pos > 0 and s > 1 and self.owns_keys and not self.ctx.opts.fix_index_k_publish
+                and st.index_k_at_call_start is not None and r > 1):
+            # Extend in reference numerics: a row whose group is still incomplete would, decoded alone, not
+            # have published its keys and would score against the stale published cache (modules §7.9).
+            stale_score = _head_weighted_scores(q, st.index_k_at_call_start[:b, :t], w)
+            incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0
+            score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
         score = self.ctx.par.all_reduce(score)
         if start_pos == 0:
             lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
@@ -104,11 +111,9 @@ class Indexer(nn.Module):
         return top.to(torch.int32)                                   # [B, S, k]
 
 
-def _group_positions(start_pos: int, n: int, ratio: int) -> torch.Tensor:
-    """RoPE position of each new compressed entry: the group's first token."""
-    if start_pos == 0:
-        return torch.arange(n) * ratio
-    return torch.tensor([start_pos + 1 - ratio])
+def _group_positions(start_pos: int, n: int, ratio: int, device=None) -> torch.Tensor:
+    """RoPE position of each new compressed entry: the group's first token (decode: start_pos + 1 - ratio)."""
+    return (start_pos // ratio + torch.arange(n, device=device)) * ratio
 
 
 def _head_weighted_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,

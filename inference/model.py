@@ -110,6 +110,13 @@ class Transformer(nn.Module):
         if self.engram_hasher is not None:
             self.engram_hasher.reset()
 
+    def rollback(self, keep_until: int) -> None:
+        """After an extend call (speculative verification), forget every position > keep_until: restore the
+        window rings and compressor tails. Caches beyond the committed length are never read before being
+        rewritten, so they need nothing (modules §11.6)."""
+        for layer in self.layers:
+            layer.attn.rollback(keep_until)
+
     def merge_images(self, h: torch.Tensor, images, token_types, start_pos: int) -> None:
         """Overwrite each image span of h with the aligner rows and the learned start/newline/end vectors.
         images: per batch row, a list of vision.ImageInput with `.start` set (modules §10.5)."""
@@ -135,8 +142,8 @@ class Transformer(nn.Module):
             raise ValueError(f"batch of {b} exceeds max_batch_size={a.max_batch_size}")
         if start_pos + s > a.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
-        if start_pos > 0 and s != 1:
-            raise ValueError("decode calls (start_pos > 0) take exactly one token per row")
+        if start_pos > 0 and s > a.window_size:
+            raise ValueError(f"an extend call (start_pos > 0) takes at most window_size={a.window_size} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
@@ -161,6 +168,7 @@ class Transformer(nn.Module):
         pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1                                                              # one-hot on stream 0
         main_hiddens = []
+        self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 x = layer.engram(x, hashes[:, :, a.engram_layer_ids.index(i)], engram_mask)
@@ -175,7 +183,12 @@ class Transformer(nn.Module):
         x = self.norm(hc_pre(x, pre))
         if capture is not None:
             capture["final_norm"] = [x]
-        logits = self.head(x, all_positions=all_logits)
+        if all_logits and start_pos > 0:
+            # Extend: one GEMV per position, the shape a single-token decode uses, so the fp32 logits of
+            # every verified position are bit-identical to decoding it alone.
+            logits = torch.stack([self.head(x[:, :i + 1]) for i in range(s)], dim=1)   # [B, S, V]
+        else:
+            logits = self.head(x, all_positions=all_logits)
         next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature)
         main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
         return next_ids, logits, main_hidden

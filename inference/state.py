@@ -19,9 +19,11 @@ class SharedAttentionState:
     index_k: Optional[torch.Tensor] = None
     topk_idxs: Optional[torch.Tensor] = None
     candidates: Optional[torch.Tensor] = None
+    index_k_at_call_start: Optional[torch.Tensor] = None   # for the extend path's emulation of §7.9
 
     def reset(self):
         self.compress_kv = self.index_k = self.topk_idxs = self.candidates = None
+        self.index_k_at_call_start = None
 
 
 @dataclass

@@ -1,0 +1,151 @@
+"""Benchmark: prefill tokens/s, decode ms/step, achieved weight bandwidth and peak memory.
+
+    python -m inference.bench                       # tiny (fixture-shaped) and large random models
+    python -m inference.bench --models large --contexts 1024,8192 --decode-steps 8
+
+Each model is a synthetic random checkpoint in the real formats (inference.synthetic + convert.py, cached
+under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
+"""
+import argparse
+import os
+import resource
+import tempfile
+import time
+
+import torch
+
+from .config import ModelArgs
+
+# A model shaped like ../shared/fixtures/reference-tiny (every layer role), with the real vocabulary.
+TINY = dict(vocab_size=129280, dim=256, n_layers=8, n_mtp_layers=2, n_heads=4, head_dim=128, rope_head_dim=32,
+            q_lora_rank=128, o_groups=2, o_lora_rank=64, moe_inter_dim=128, n_routed_experts=8,
+            n_activated_experts=3, window_size=64, compress_ratios=[0, 2, 2, 1, 1, 1, 1, 1, 0, 0],
+            kv_source_layers=[1, 3], index_source_layers=[1, 3, 5, 7], candidate_source_layer=3,
+            index_n_heads=16, index_head_dim=64, index_topk=512, candidate_topk_blocks=64,
+            candidate_block_size=8, engram_layer_ids=[0, 1], engram_vocab_size=1000, engram_n_heads=2,
+            engram_head_dim=32, engram_num_embeddings=[6126, 6332], engram_compressed_vocab_size=99092,
+            dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=[5, 6, 7],
+            dspark_markov_rank=64, dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+# A larger one: released head geometry, width 1024, 8 layers, 32 experts.
+LARGE = dict(TINY, dim=1024, n_heads=8, head_dim=512, rope_head_dim=64, q_lora_rank=512, o_groups=4,
+             o_lora_rank=512, moe_inter_dim=512, n_routed_experts=32, n_activated_experts=6, window_size=128,
+             index_n_heads=32, index_head_dim=128, candidate_topk_blocks=2048, engram_head_dim=256,
+             engram_n_heads=8, engram_num_embeddings=None, dspark_markov_rank=256, dspark_n_routed_experts=8)
+MODELS = {"tiny": TINY, "large": LARGE}
+
+
+def make_args(name: str, max_seq_len: int) -> ModelArgs:
+    cfg = dict(MODELS[name])
+    if cfg["engram_num_embeddings"] is None:      # the sums of the first primes above engram_vocab_size
+        cfg["engram_num_embeddings"] = _prime_sums(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
+    return ModelArgs.from_dict(cfg, max_seq_len=max_seq_len, max_batch_size=1, temperature=0.0)
+
+
+def _prime_sums(args: ModelArgs):
+    from .engram import is_prime
+    seen, sums, c0 = set(), [], args.engram_vocab_size - 1
+    for _ in args.engram_layer_ids:
+        total = 0
+        for _order in range(2, args.engram_max_ngram_size + 1):
+            c = c0
+            for _head in range(args.engram_n_heads):
+                c += 1
+                while not is_prime(c) or c in seen:
+                    c += 1
+                seen.add(c)
+                total += c
+        sums.append(total)
+    return sums
+
+
+def build(name: str, args: ModelArgs, workdir: str, device: str):
+    """Synthetic HF checkpoint -> convert.py at MP 1 -> Transformer (all cached in workdir)."""
+    from convert import convert
+    from encoding.tokenizer import load_tokenizer
+    from .checkpoint import load_checkpoint
+    from .model import Transformer
+    from .synthetic import write_synthetic_checkpoint
+    hf, ckpt = os.path.join(workdir, f"{name}-hf"), os.path.join(workdir, f"{name}-mp1")
+    if not os.path.exists(os.path.join(hf, "model.safetensors.index.json")):
+        write_synthetic_checkpoint(args, hf, seed=0, shards=2)
+    if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
+        convert(hf, ckpt, 1, progress=False, log=lambda *_: None)
+    model = Transformer(args, device=device, tokenizer=load_tokenizer(ckpt))
+    load_checkpoint(model, ckpt)
+    return model
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: everything but the routed experts and Engram tables, plus the
+    activated share of the experts (gpt-fast's 'achieved bandwidth' convention)."""
+    a = model.args
+    total = experts = 0
+    for n, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if ".engram.embed." in n:
+            continue
+        if ".experts." in n:
+            experts += b
+        else:
+            total += b
+    return total + experts * a.n_activated_experts // a.n_routed_experts
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def bench_context(model, context: int, steps: int, gen: torch.Generator):
+    model.reset()
+    ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen)
+    _, t_prefill = timed(lambda: model(ids[:, :context], 0))
+    times = []
+    for i in range(steps):
+        _, t = timed(lambda: model(ids[:, context + i:context + i + 1], context + i))
+        times.append(t)
+    times = sorted(times)[:max(1, len(times) - len(times) // 4)]      # drop the slowest quarter (noise)
+    return context / t_prefill, 1e3 * sum(times) / len(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
+    ap.add_argument("--contexts", default="1024,8192", help="prompt lengths to decode after")
+    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps measured per context")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dsv41-bench"),
+                    help="where the synthetic checkpoints are cached")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    opts = ap.parse_args(argv)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    contexts = [int(c) for c in opts.contexts.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    os.makedirs(opts.workdir, exist_ok=True)
+    print(f"device {opts.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    for name in opts.models.split(","):
+        args = make_args(name, max(contexts) + opts.decode_steps + 8)
+        model = build(name, args, opts.workdir, opts.device)
+        per_token = weight_bytes_per_token(model)
+        print(f"[{name}] dim {args.dim}, {args.n_layers} layers, {args.n_routed_experts} experts, "
+              f"{per_token / 1e6:.1f} MB of weights read per decode step")
+        results = {}
+        for ctx in contexts:
+            tps, ms = bench_context(model, ctx, opts.decode_steps, gen)
+            results[ctx] = ms
+            print(f"[{name}] context {ctx:6d}: prefill {tps:9.1f} tok/s | decode {ms:8.1f} ms/step "
+                  f"({1e3 / ms:6.2f} tok/s, {per_token / ms / 1e6:6.2f} GB/s of weights)")
+        if len(contexts) > 1:
+            lo, hi = min(contexts), max(contexts)
+            print(f"[{name}] decode cost at {hi} vs {lo} context: {results[hi] / results[lo]:.2f}x")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+        if opts.device.startswith("cuda"):
+            peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        print(f"[{name}] peak memory so far: {peak:.2f} GiB")
+        del model
+
+
+if __name__ == "__main__":
+    main()

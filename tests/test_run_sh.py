@@ -1,0 +1,87 @@
+"""run.sh (spec cli.md §4.2): usage, and the checks `run.sh generate` makes before launching torchrun."""
+import os
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+RUN_SH = os.path.join(ROOT, "run.sh")
+
+
+def run_sh(*args, env=None, timeout=60):
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("MP", "NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CKPT", "CONFIG")}
+    full_env.update(env or {})
+    return subprocess.run(["bash", RUN_SH, *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A directory that passes every check for MP = 2 (the files only need to exist and be non-empty)."""
+    for name in ("model0-mp2.safetensors", "model1-mp2.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        (tmp_path / name).write_text("x")
+    return tmp_path
+
+
+def test_help():
+    for flag in ("--help", "-h"):
+        proc = run_sh(flag)
+        assert proc.returncode == 0 and "usage: bash run.sh" in proc.stdout
+        assert "MP [8]" in proc.stdout and "CKPT" in proc.stdout
+    proc = run_sh("bogus")
+    assert proc.returncode == 2 and "usage: bash run.sh" in proc.stderr
+
+
+def test_generate_dry_run_builds_the_torchrun_command(ckpt):
+    env = {"MP": "2", "CKPT": str(ckpt), "CONFIG": os.path.join(ROOT, "config.json"), "DRY_RUN": "1",
+           "MASTER_PORT": "29555"}
+    proc = run_sh("generate", "--interactive", env=env)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--nnodes") + 1] == "1" and cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[cmd.index("--master-port") + 1] == "29555"
+    assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--ckpt-path") + 1] == str(ckpt) and cmd[-1] == "--interactive"
+    # Two nodes: one process per node; --ckpt-path on the command line wins over CKPT and is not repeated.
+    proc = run_sh("generate", "--ckpt-path", str(ckpt), "--input-file", "p.txt",
+                  env={**env, "NODES": "2", "NODE_RANK": "1", "CKPT": "/nonexistent"})
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and cmd[cmd.index("--node-rank") + 1] == "1"
+    assert cmd.count("--ckpt-path") == 1
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MP": "3"}, "MP must be one of 1, 2, 4, 8"),
+    ({"MP": "16"}, "MP must be one of 1, 2, 4, 8"),
+    ({"MP": "two"}, "MP must be a positive integer"),
+    ({"MP": "2", "NODES": "4"}, "MP=2 is not divisible by NODES=4"),
+    ({"MP": "2", "NODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be an integer in 0..1"),
+    ({"MP": "4"}, "missing shard {ckpt}/model2-mp4.safetensors"),
+    ({"MP": "2", "CONFIG": "/nonexistent/config.json"}, "config file not found: /nonexistent/config.json"),
+])
+def test_generate_prelaunch_errors(ckpt, env, message):
+    (ckpt / "model0-mp4.safetensors").write_text("x")
+    (ckpt / "model1-mp4.safetensors").write_text("x")
+    proc = run_sh("generate", "--interactive", env={"CKPT": str(ckpt), **env})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"run.sh: error: {message.format(ckpt=ckpt)}" in proc.stderr
+
+
+def test_generate_incomplete_checkpoint(ckpt):
+    env = {"MP": "2", "CKPT": str(ckpt), "CONFIG": os.path.join(ROOT, "config.json")}
+    (ckpt / "model1-mp2.safetensors").write_text("")
+    proc = run_sh("generate", "--interactive", env=env)
+    assert proc.returncode == 1 and f"empty shard {ckpt}/model1-mp2.safetensors" in proc.stderr
+    (ckpt / "model1-mp2.safetensors").unlink()
+    proc = run_sh("generate", "--interactive", env=env)
+    assert proc.returncode == 1 and f"missing shard {ckpt}/model1-mp2.safetensors" in proc.stderr
+    (ckpt / "model1-mp2.safetensors").write_text("x")
+    (ckpt / "tokenizer_config.json").unlink()
+    proc = run_sh("generate", "--interactive", env=env)
+    assert proc.returncode == 1 and f"missing {ckpt}/tokenizer_config.json" in proc.stderr
+    proc = run_sh("generate", "--interactive", env={"MP": "2"})
+    assert proc.returncode == 1 and "set CKPT=" in proc.stderr
