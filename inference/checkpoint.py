@@ -12,6 +12,7 @@ _WIDEN = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight|mtp\.\d
                     r"|vision\.blocks\.\d+\.norm[12]\.weight|vision\.norm\.weight)$")
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
 _ALIAS = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
+_VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 
 class CheckpointError(ValueError):
@@ -46,6 +47,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise CheckpointError(f"cannot read {path}: {e}") from None
     keys = set(f.keys())
+    if getattr(model, "language_model_only", False):      # the vision tower was not built on purpose
+        keys = {k for k in keys if not k.startswith(_VISION_PREFIXES)}
     missing = sorted(set(params) - keys)
     unexpected = sorted(k for k in keys - set(params) if not _ALIAS.match(k))
     if missing or unexpected:

@@ -74,6 +74,7 @@ class Transformer(nn.Module):
         par = par or ParallelContext.single()
         args.validate(par.world_size)
         self.args = args
+        self.language_model_only = language_model_only and args.vision_n_layers > 0
         with torch.device(device):
             self.ctx = ModelContext(args, par, opts or RuntimeOptions(), device=device)
             self.embed = ParallelEmbedding(args.vocab_size, args.dim, par)

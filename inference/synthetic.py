@@ -13,18 +13,23 @@ per row per 32 columns. Every scale is the smallest power of two 2^p with qmax·
 (qmax = 448 for E4M3, 6 for E2M1), found exactly (no rounding cast); values are then rounded to nearest
 even. `dtype = "bf16"` stores Linears as plain BF16; `expert_dtype = null` gives experts the Linear format.
 
-Weight statistics (chosen so activations stay finite and of order 1 through a forward pass):
+Weight statistics: those of ../shared/fixtures/reference-tiny, whose weights follow measurements of the
+released checkpoint (norm-weight means, projection gains); small sub-block norms keep the residual stream
+dominant, which keeps the model as well-conditioned as the real one (tensor-parallel rounding then moves
+logits by ~0.1, not by whole units). gain g below means N(0, (g / sqrt(in_features))^2).
 
 | tensors | values |
 |---|---|
-| Linear weights (FP8, FP4, BF16; head, router, Markov head, confidence head, ViT) | N(0, 1/in_features) |
-| `embed`, Markov `embed`, `image_*` vectors, Engram tables | N(0, 1) |
-| RMSNorm weights, Engram `q_weight` / `k_weight` | 1 + N(0, 0.05²) |
-| `hc_*_fn` | N(0, 0.01²) |
-| `hc_*_base` | N(0, 0.1²) |
-| `hc_*_scale` | U(0.1, 1) |
-| `attn_sink` | N(0, 0.01²) |
-| router `bias`, `bias_vl` | N(0, 0.001²) |
+| `wq_a`, `wo_a` 1.6; `wq_b`, indexer `wq_b` 0.95; `wkv`, compressor `wkv`, Engram `wkv` 1.8; `wo_b` 1.9 | gain |
+| expert and shared-expert `w1`/`w3` 1.5, `w2` 1.05; router 2.9; other Linears, head, Markov head 1.0 | gain |
+| `embed` | N(0, 0.12²) |
+| Markov `embed` | N(0, 1/rank) |
+| `image_*` vectors, Engram tables | N(0, 1) |
+| RMSNorm weights m·(1 + N(0, 0.1²)): `attn_norm` 0.025, `ffn_norm` 0.2, `kv_norm` 0.4, compressor 0.6, indexer `k_norm` 0.5, `q_norm` 0.97, others 1.0 | |
+| Engram `q_weight` / `k_weight` | 1 + N(0, 0.1²) |
+| `hc_*_fn` | N(0, 1/(hc·dim)) |
+| `hc_*_base`, `hc_*_scale`, `attn_sink` | N(0, 0.45²) |
+| router `bias`, `bias_vl` | N(0, 0.1²) |
 | ViT / aligner biases | N(0, 0.01²) |
 
 With the reference-tiny config, the project's model on this checkpoint gives block outputs of RMS 1.1-2.7
@@ -90,19 +95,19 @@ class Param:
 # ----------------------------------------------------------------------------------------------------------
 # The tensor list (checkpoint.md §1.1, generalised to any config)
 
-def _linear(args: ModelArgs, name: str, out: int, inp: int) -> Param:
-    std = ("normal", 0.0, inp ** -0.5)
+def _linear(args: ModelArgs, name: str, out: int, inp: int, gain: float = 1.0) -> Param:
+    std = ("normal", 0.0, gain * inp ** -0.5)
     if args.dtype == "fp8":
         return Param(name, "fp8", (out, inp), init=std)
     return Param(name + ".weight", "plain", (out, inp), "BF16", std)
 
 
-def _expert(args: ModelArgs, name: str, out: int, inp: int) -> Param:
+def _expert(args: ModelArgs, name: str, out: int, inp: int, gain: float = 1.0) -> Param:
     if args.expert_dtype == "fp4":
         if inp % 32:
             raise ValueError(f"MXFP4 experts need in_features divisible by 32, got {inp} for {name}")
-        return Param(name, "fp4", (out, inp), init=("normal", 0.0, inp ** -0.5))
-    return _linear(args, name, out, inp)
+        return Param(name, "fp4", (out, inp), init=("normal", 0.0, gain * inp ** -0.5))
+    return _linear(args, name, out, inp, gain)
 
 
 def _bf16(name: str, shape: Sequence[int], init) -> Param:
@@ -113,57 +118,58 @@ def _f32(name: str, shape: Sequence[int], init) -> Param:
     return Param(name, "plain", tuple(shape), "F32", init)
 
 
-def _norm(name: str, dim: int) -> Param:
-    return _bf16(name, (dim,), ("normal", 1.0, 0.05))
+def _norm(name: str, dim: int, mean: float = 1.0) -> Param:
+    return _bf16(name, (dim,), ("normal", mean, 0.1 * mean))
 
 
-def _gain(fan_in: int):
-    return ("normal", 0.0, fan_in ** -0.5)
+def _gain(fan_in: int, gain: float = 1.0):
+    return ("normal", 0.0, gain * fan_in ** -0.5)
 
 
 def _block_params(args: ModelArgs, prefix: str, layer_id: int, n_experts: int) -> List[Param]:
     d, hc = args.dim, args.hc_mult
     mix = (2 + hc) * hc
-    ps = [_norm(f"{prefix}.attn_norm.weight", d), _norm(f"{prefix}.ffn_norm.weight", d)]
+    ps = [_norm(f"{prefix}.attn_norm.weight", d, 0.025), _norm(f"{prefix}.ffn_norm.weight", d, 0.2)]
     for site in ("attn", "ffn"):
-        ps += [_f32(f"{prefix}.hc_{site}_fn", (mix, hc * d), ("normal", 0.0, 0.01)),
-               _f32(f"{prefix}.hc_{site}_base", (mix,), ("normal", 0.0, 0.1)),
-               _f32(f"{prefix}.hc_{site}_scale", (3,), ("uniform", 0.1, 1.0))]
+        ps += [_f32(f"{prefix}.hc_{site}_fn", (mix, hc * d), _gain(hc * d)),
+               _f32(f"{prefix}.hc_{site}_base", (mix,), ("normal", 0.0, 0.45)),
+               _f32(f"{prefix}.hc_{site}_scale", (3,), ("normal", 0.0, 0.45))]
     a = f"{prefix}.attn"
-    ps += [_f32(f"{a}.attn_sink", (args.n_heads,), ("normal", 0.0, 0.01)),
-           _linear(args, f"{a}.wq_a", args.q_lora_rank, d),
-           _norm(f"{a}.q_norm.weight", args.q_lora_rank),
-           _linear(args, f"{a}.wq_b", args.n_heads * args.head_dim, args.q_lora_rank),
-           _linear(args, f"{a}.wkv", args.head_dim, d),
-           _norm(f"{a}.kv_norm.weight", args.head_dim),
+    ps += [_f32(f"{a}.attn_sink", (args.n_heads,), ("normal", 0.0, 0.45)),
+           _linear(args, f"{a}.wq_a", args.q_lora_rank, d, 1.6),
+           _norm(f"{a}.q_norm.weight", args.q_lora_rank, 0.97),
+           _linear(args, f"{a}.wq_b", args.n_heads * args.head_dim, args.q_lora_rank, 0.95),
+           _linear(args, f"{a}.wkv", args.head_dim, d, 1.8),
+           _norm(f"{a}.kv_norm.weight", args.head_dim, 0.4),
            _linear(args, f"{a}.wo_a", args.o_groups * args.o_lora_rank,
-                   args.n_heads * args.head_dim // args.o_groups),
-           _linear(args, f"{a}.wo_b", d, args.o_groups * args.o_lora_rank)]
+                   args.n_heads * args.head_dim // args.o_groups, 1.6),
+           _linear(args, f"{a}.wo_b", d, args.o_groups * args.o_lora_rank, 1.9)]
     backbone = layer_id < args.n_layers
     if backbone and layer_id in args.kv_source_layers:
-        ps.append(_bf16(f"{a}.compressor.wkv.weight", (args.head_dim, d), _gain(d)))
+        ps.append(_bf16(f"{a}.compressor.wkv.weight", (args.head_dim, d), _gain(d, 1.8)))
         if args.compress_ratios[layer_id] >= 2:  # softmax pooling over a group needs gate logits
             ps.append(_bf16(f"{a}.compressor.wgate.weight", (args.head_dim, d), _gain(d)))
-        ps.append(_norm(f"{a}.compressor.norm.weight", args.head_dim))
+        ps.append(_norm(f"{a}.compressor.norm.weight", args.head_dim, 0.6))
     if backbone and layer_id in args.index_source_layers:
         ix = f"{a}.indexer"
-        ps += [_linear(args, f"{ix}.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank),
+        ps += [_linear(args, f"{ix}.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank, 0.95),
                _bf16(f"{ix}.weights_proj.weight", (args.index_n_heads, d), _gain(d))]
         if layer_id in args.kv_source_layers:  # owners of the index-key cache
             ps += [_bf16(f"{ix}.wk.weight", (args.index_head_dim, args.head_dim), _gain(args.head_dim)),
-                   _norm(f"{ix}.k_norm.weight", args.index_head_dim)]
+                   _norm(f"{ix}.k_norm.weight", args.index_head_dim, 0.5)]
     f = f"{prefix}.ffn"
-    ps += [_bf16(f"{f}.gate.weight", (n_experts, d), _gain(d)),
-           _f32(f"{f}.gate.bias", (n_experts,), ("normal", 0.0, 0.001))]
+    ps += [_bf16(f"{f}.gate.weight", (n_experts, d), _gain(d, 2.9)),
+           _f32(f"{f}.gate.bias", (n_experts,), ("normal", 0.0, 0.1))]
     if args.vision_n_layers > 0:
-        ps.append(_f32(f"{f}.gate.bias_vl", (n_experts,), ("normal", 0.0, 0.001)))
+        ps.append(_f32(f"{f}.gate.bias_vl", (n_experts,), ("normal", 0.0, 0.1)))
     inter = args.moe_inter_dim
     for e in range(n_experts):
-        ps += [_expert(args, f"{f}.experts.{e}.w1", inter, d), _expert(args, f"{f}.experts.{e}.w2", d, inter),
-               _expert(args, f"{f}.experts.{e}.w3", inter, d)]
-    ps += [_linear(args, f"{f}.shared_experts.w1", inter, d),
-           _linear(args, f"{f}.shared_experts.w2", d, inter),
-           _linear(args, f"{f}.shared_experts.w3", inter, d)]
+        ps += [_expert(args, f"{f}.experts.{e}.w1", inter, d, 1.5),
+               _expert(args, f"{f}.experts.{e}.w2", d, inter, 1.05),
+               _expert(args, f"{f}.experts.{e}.w3", inter, d, 1.5)]
+    ps += [_linear(args, f"{f}.shared_experts.w1", inter, d, 1.5),
+           _linear(args, f"{f}.shared_experts.w2", d, inter, 1.05),
+           _linear(args, f"{f}.shared_experts.w3", inter, d, 1.5)]
     return ps
 
 
@@ -173,9 +179,9 @@ def _engram_params(args: ModelArgs, layer_id: int, rows: int) -> Tuple[Param, Li
     if args.engram_head_dim % 32:
         raise ValueError("engram_head_dim must be divisible by 32 (one scale per 32 columns)")
     table = Param(f"{e}.embed", "engram", (rows, args.engram_head_dim))
-    rest = [_linear(args, f"{e}.wkv", (args.hc_mult + 1) * d, width),
-            _bf16(f"{e}.q_weight", (args.hc_mult, d), ("normal", 1.0, 0.05)),
-            _bf16(f"{e}.k_weight", (args.hc_mult, d), ("normal", 1.0, 0.05))]
+    rest = [_linear(args, f"{e}.wkv", (args.hc_mult + 1) * d, width, 1.8),
+            _bf16(f"{e}.q_weight", (args.hc_mult, d), ("normal", 1.0, 0.1)),
+            _bf16(f"{e}.k_weight", (args.hc_mult, d), ("normal", 1.0, 0.1))]
     return table, rest
 
 
@@ -207,7 +213,7 @@ def hf_params(args: ModelArgs) -> List[Param]:
     Engram tables."""
     d, vocab = args.dim, args.vocab_size
     ps = _vision_params(args) if args.vision_n_layers > 0 else []
-    ps.append(_bf16("embed.weight", (vocab, d), ("normal", 0.0, 1.0)))
+    ps.append(_bf16("embed.weight", (vocab, d), ("normal", 0.0, 0.12)))
     if args.vision_n_layers > 0:
         ps += [_bf16(n, (d,), ("normal", 0.0, 1.0)) for n in ("image_start", "image_end", "image_newline")]
     tables = []
@@ -229,7 +235,7 @@ def hf_params(args: ModelArgs) -> List[Param]:
             ps += [_linear(args, f"{m}.main_proj", d, width), _norm(f"{m}.main_norm.weight", d)]
         if k == n_stages - 1:
             ps += [_norm(f"{m}.norm.weight", d),
-                   _bf16(f"{m}.markov_head.embed.weight", (vocab, rank), ("normal", 0.0, 1.0)),
+                   _bf16(f"{m}.markov_head.embed.weight", (vocab, rank), _gain(rank)),
                    _bf16(f"{m}.markov_head.head.weight", (vocab, rank), _gain(rank)),
                    _bf16(f"{m}.confidence_head.proj.weight", (1, d + rank), _gain(d + rank))]
     return ps + tables

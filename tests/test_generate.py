@@ -453,7 +453,6 @@ def test_score_padding_and_mp1_vs_mp2_on_converted_checkpoint(tiny):
     assert torch.equal(nan, b["logits"].isnan().all(-1))
     assert a["prefill_logits"].shape == (2, 30, tiny["vocab"])
     assert torch.allclose(a["prefill_logits"][:, -1], a["logits"][0], atol=1e-3)
-    # Random synthetic weights route near-ties (top-3 of 8 experts), so W-dependent rounding flips some
-    # expert choices and the logits move by more than the fixture's tolerance; they must still agree closely.
-    cos = torch.nn.functional.cosine_similarity(a["logits"][~nan], b["logits"][~nan], dim=-1)
-    assert cos.mean() >= 0.9 and cos.min() >= 0.75, cos
+    # W = 2 reduces bf16 partials in another order (numerics §14): close, not equal
+    d = (a["logits"][~nan] - b["logits"][~nan]).abs()
+    assert d.max() <= 0.35 and d.mean() <= 0.05, (d.max(), d.mean())
