@@ -603,7 +603,7 @@ def build_model(o: argparse.Namespace, margs: ModelArgs, par: ParallelContext, t
     log.info("load model")
     load_checkpoint(model, o.ckpt_path, par.rank, par.world_size)
     model.eval()
-    log.info("I'm DeepSeek 👋")
+    log.info("model ready")
     return model
 
 

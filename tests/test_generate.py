@@ -201,7 +201,7 @@ def test_batch_text_file(batch_run, tiny):
     assert [lines[i] for i in starts] == [f"Prompt: {p}" for p in PROMPTS]
     for i, r in zip(starts, records):
         assert lines[i + 1] == f"Completion: {r['completion']}".split("\n")[0]
-    assert "I'm DeepSeek" in proc.stdout
+    assert "model ready" in proc.stdout
     assert "prefill:" in lines[-1] and "tokens/s" in lines[-1] and "decode:" in lines[-1]
 
 
