@@ -63,12 +63,12 @@ class Attention(nn.Module):
         self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx.par)
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
         self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, self.window, args.head_dim,
-                                                     dtype=torch.bfloat16), persistent=False)
+                                                     dtype=ctx.act_dtype), persistent=False)
         self.compressor = self.indexer = None
         if self.is_backbone and layer_id in args.kv_source_layers:
             self.compressor = Compressor(args, self.ratio)
             self.register_buffer("compress_cache", torch.zeros(
-                args.max_batch_size, args.max_seq_len // self.ratio, args.head_dim, dtype=torch.bfloat16),
+                args.max_batch_size, args.max_seq_len // self.ratio, args.head_dim, dtype=ctx.act_dtype),
                 persistent=False)
         if self.is_backbone and layer_id in args.index_source_layers:
             self.indexer = Indexer(layer_id, ctx)
@@ -98,13 +98,13 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, positions) -> torch.Tensor:
         kv = self.kv_norm(self.wkv(x))                                          # [B, S, hd]
         apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions])
-        return fp8_qdq_(kv)
+        return kv if self.ctx.opts.golden else fp8_qdq_(kv)
 
     def output(self, o: torch.Tensor, positions) -> torch.Tensor:
         b, s = o.shape[:2]
         apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], inverse=True)
         o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
-        wo_a = self.wo_a.weight.view(self.n_local_groups, self.o_lora_rank, -1)
+        wo_a = self.wo_a.weight.to(o.dtype).view(self.n_local_groups, self.o_lora_rank, -1)   # fp32 if golden
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                             # [B, S, G_l, o_lora]
         return self.wo_b(o.flatten(2))                                          # [B, S, D]
 
@@ -165,7 +165,8 @@ class Attention(nn.Module):
             n = latent.shape[1]
             group_pos = _group_positions(start_pos, n, r, x.device)
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos])
-            fp4_qdq_e4m3_(latent)
+            if not self.ctx.opts.golden:
+                fp4_qdq_e4m3_(latent)
             first = start_pos // r
             self.compress_cache[:b, first:first + n] = latent
         return topk

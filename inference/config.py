@@ -197,14 +197,19 @@ class RuntimeOptions:
     fix_index_k_publish: bool = False   # fix of the stale index-key defect (spec modules.md §7.9)
     deterministic_topk: bool = False    # stable lowest-index tie-breaking in every top-k
     kernel_backend: str = "auto"        # torch | tilelang | auto
+    # "What the math says": fp32 weights and activations, no fake quantization (parity baseline only).
+    golden: bool = False
 
     @classmethod
     def from_profile(cls, numerics: str = "reference", **kw) -> "RuntimeOptions":
-        if numerics not in ("reference", "fixed"):
-            raise ConfigError(f"unknown numerics profile {numerics!r} (expected 'reference' or 'fixed')")
+        if numerics not in ("reference", "fixed", "golden"):
+            raise ConfigError(f"unknown numerics profile {numerics!r} (expected 'reference', 'fixed' or "
+                              f"'golden')")
         opts = cls(**kw)
         if numerics == "fixed":
             opts.fix_index_k_publish = True
+        elif numerics == "golden":
+            opts.golden = True
         return opts
 
 

@@ -239,6 +239,7 @@ class ParallelEngramEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu),
                                   requires_grad=False)
+        self.golden = False   # set by the Transformer: keep the dequantized rows in fp32
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         local = rows - self.start
@@ -246,7 +247,7 @@ class ParallelEngramEmbedding(nn.Module):
         local = local.masked_fill(outside, 0)
         w = self.weight[local].float()                                       # [..., dim]
         s = ue8m0_to_float(self.scale[local]).repeat_interleave(32, dim=-1)
-        y = (w * s).to(torch.bfloat16)
+        y = (w * s).to(torch.float32 if self.golden else torch.bfloat16)
         if self.par.world_size > 1:
             y[outside] = 0
             y = self.par.all_reduce(y)

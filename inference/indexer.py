@@ -57,7 +57,7 @@ class Indexer(nn.Module):
             self.wk = Linear(args.head_dim, args.index_head_dim, "bf16")
             self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
             self.register_buffer("k_cache", torch.zeros(args.max_batch_size, args.max_seq_len // self.ratio,
-                                                        args.index_head_dim, dtype=torch.bfloat16),
+                                                        args.index_head_dim, dtype=ctx.act_dtype),
                                  persistent=False)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
@@ -70,14 +70,16 @@ class Indexer(nn.Module):
             first = start_pos // r
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
             apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)])
-            fp4_qdq_e8m0_(k)
+            if not self.ctx.opts.golden:
+                fp4_qdq_e8m0_(k)
             self.k_cache[:b, first:first + n] = k
             st.index_k = self.k_cache
         elif self.owns_keys and self.ctx.opts.fix_index_k_publish:
             st.index_k = self.k_cache
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end])
-        fp4_qdq_e8m0_(q)
+        if not self.ctx.opts.golden:
+            fp4_qdq_e8m0_(q)
         t = end // r
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16

@@ -38,6 +38,7 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"unknown Linear kind {kind!r}")
         self._deq: Optional[torch.Tensor] = None
+        self.golden = False   # set by the Transformer: fp32 GEMM, no activation quantization
 
     def dequantized(self) -> torch.Tensor:
         """fp32 value of an FP8/FP4 weight. Cached on CPU (the pure-torch path); recomputed on GPU, where
@@ -54,6 +55,9 @@ class Linear(nn.Module):
         self._deq = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.golden:
+            w = self.weight.float() if self.scale is None else self.dequantized()
+            return F.linear(x.float(), w)
         if self.scale is None:
             return F.linear(x, self.weight)
         return block_scaled_gemm(x, self.dequantized(), BLOCK)
@@ -93,14 +97,17 @@ class ParallelEmbedding(nn.Module):
         self.part = vocab_size // ctx.world_size
         self.start = ctx.rank * self.part
         self.weight = _param((self.part, dim), torch.bfloat16)
+        self.golden = False   # set by the Transformer: fp32 rows (exact widening)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ctx.world_size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.start) | (ids >= self.start + self.part)
-        y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-        y[outside] = 0
-        return self.ctx.all_reduce(y)
+            y = F.embedding(ids, self.weight)
+        else:
+            outside = (ids < self.start) | (ids >= self.start + self.part)
+            y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+            y[outside] = 0
+            y = self.ctx.all_reduce(y)   # exact: one rank holds each row, the others add zeros
+        return y.float() if self.golden else y
 
 
 class ParallelHead(nn.Module):

@@ -6,9 +6,9 @@ import torch.nn as nn
 
 from .attention import Attention
 from .config import ModelArgs, RuntimeOptions
-from .engram import Engram, EngramHasher, build_compressed_token_map
+from .engram import Engram, EngramHasher, ParallelEngramEmbedding, build_compressed_token_map
 from .hyper import hc_mixes, hc_post, hc_pre
-from .layers import ParallelEmbedding, ParallelHead, RMSNorm
+from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
 from .moe import MoE
 from .parallel import ParallelContext
 from .sampling import sample
@@ -91,6 +91,10 @@ class Transformer(nn.Module):
             if build_dspark and args.dspark_block_size > 0 and args.n_mtp_layers > 0:
                 from .dspark import DSpark
                 self.mtp = DSpark(self.ctx, self.embed, self.head)
+        # Linear layers and embedding tables hold no ModelContext: golden numerics reach them as a flag.
+        for m in self.modules():
+            if isinstance(m, (Linear, ParallelEmbedding, ParallelEngramEmbedding)):
+                m.golden = self.ctx.opts.golden
         self.engram_hasher: Optional[EngramHasher] = None
         if tokenizer is not None and args.engram_layer_ids:
             self.set_tokenizer(tokenizer)
@@ -151,7 +155,11 @@ class Transformer(nn.Module):
                 token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
                 capture: Optional[Dict[str, List[torch.Tensor]]] = None):
         """input_ids [B, S] -> (next_ids [B], logits [B, V] (or [B, S, V] with all_logits) fp32,
-        main_hidden [B, S, len(targets)*D] bf16 or None)."""
+        main_hidden [B, S, len(targets)*D] bf16 or None).
+
+        `capture` (parity bisection, inference/parity.py) receives lists of this call's tensors:
+        one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
+        engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
         a = self.args
         self.check_inputs(input_ids, start_pos)
         b, s = input_ids.shape
@@ -162,6 +170,8 @@ class Transformer(nn.Module):
             if self.engram_hasher is None:
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
             hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask)    # [B, S, n_eng, cols]
+            if capture is not None:
+                capture["engram_hashes"] = [hashes]
         h = self.embed(input_ids)                                                   # [B, S, D]
         if images is not None and any(images):
             self.merge_images(h, images, token_types, start_pos)
@@ -170,6 +180,7 @@ class Transformer(nn.Module):
         pre[..., 0] = 1                                                              # one-hot on stream 0
         main_hiddens = []
         self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
+        self.ctx.shared.candidates = None   # written and read within a call; None = not computed in this one
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 x = layer.engram(x, hashes[:, :, a.engram_layer_ids.index(i)], engram_mask)
@@ -181,6 +192,10 @@ class Transformer(nn.Module):
             if capture is not None:
                 capture.setdefault("block_out", []).append(x)
                 capture.setdefault("block_pre_mix", []).append(pre)
+                if i in a.index_source_layers:
+                    capture[f"indexer_idxs.layer{i}"] = [self.ctx.shared.topk_idxs]
+                if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
+                    capture["candidates"] = [self.ctx.shared.candidates]
         x = self.norm(hc_pre(x, pre))
         if capture is not None:
             capture["final_norm"] = [x]

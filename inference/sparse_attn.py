@@ -8,8 +8,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
                 q_block: int = 64) -> torch.Tensor:
     """q [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), sink [H] fp32, idx [B, M, T] int32 (-1 = none).
 
-    Online softmax over 64-entry chunks in list order; probabilities are rounded to bf16 (relative to the
-    running max) before P.V; the sink logit enters only the denominator. Returns [B, M, H, D] bf16.
+    Online softmax over 64-entry chunks in list order; probabilities are rounded to V's dtype, bf16 (relative
+    to the running max), before P.V; the sink logit enters only the denominator. Returns [B, M, H, D] bf16.
+    With fp32 q and kv (golden numerics) nothing is rounded and the output is fp32.
     """
     b, m, h, d = q.shape
     out = torch.empty_like(q)
@@ -46,8 +47,8 @@ def _attend(q, kv, sink, idx, scale):
         alpha = torch.exp(mx - new_mx)
         p = torch.exp(s - new_mx.unsqueeze(-1))
         den = den * alpha + p.sum(-1)
-        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(torch.bfloat16).float(), rows)
+        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), rows)      # the kernel's P cast
         acc = acc * alpha.unsqueeze(-1) + pv
         mx = new_mx
     den = den + torch.exp(sink.float().view(1, 1, h) - mx)
-    return (acc / den.unsqueeze(-1)).to(torch.bfloat16)
+    return (acc / den.unsqueeze(-1)).to(q.dtype)

@@ -47,6 +47,11 @@ class ModelContext:
                 a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
                 a.beta_fast, a.beta_slow, device=self.device)
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """Activations and caches: bf16 as in the official code, fp32 in golden numerics."""
+        return torch.float32 if self.opts.golden else torch.bfloat16
+
     def freqs_for(self, layer_id: int) -> torch.Tensor:
         ratio = self.args.compress_ratios[layer_id]
         return self.compress_freqs if ratio > 0 else self.window_freqs

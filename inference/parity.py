@@ -1,0 +1,682 @@
+"""Numeric parity toolkit: compare this reference with any engine, and find where two runs part.
+
+compare: do two runs predict the same next-token distributions?
+
+    python -m inference.parity compare A B [--atol-max 0.25] [--atol-mean 0.03] [--max-kl 1e-3]
+                                           [--min-cos 0.999] [--min-top1 0.995]
+
+A and B are each one of
+  - a logits dump of `generate.py --score S.json --dump-logits X.safetensors`: `logits` [N, B, V] fp32,
+    forward k scoring position P-1+k (NaN once a sequence has ended), `input_ids` [B, L] (-1 = padding),
+    optionally `prefill_logits` [B, P, V] (--all-prefill-logits: positions 0..P-1);
+  - the reference-tiny fixture's reference_logits.safetensors (`step_logits` is read as `logits`,
+    `prefill_all_logits` as `prefill_logits`; the ids are prompt_ids followed by generated_ids[:-1]);
+  - an engine's prompt log-probabilities as JSON. Entry t of a sequence holds the top-k of the distribution
+    of token t, i.e. of the logits at position t-1; entry 0 is null. Accepted shapes:
+      vLLM    {"prompt_logprobs": SEQ, "prompt_token_ids": [ids]}   (the ids are optional)
+              SEQ = [null, {"<id>": {"logprob": x, "rank": r, "decoded_token": s} or x, ...}, ...]
+              or an OpenAI-style response {"choices": [{"prompt_logprobs": SEQ, ...}, ...]};
+      SGLang  {"meta_info": {"input_top_logprobs": SEQ, "input_token_logprobs": [[x, id, text], ...]}}
+              (the meta_info level and input_token_logprobs, which gives the ids, are optional)
+              SEQ = [null, [[logprob, token_id, text], ...], ...]   (text may be absent);
+      "prompt_logprobs" / "input_top_logprobs" may also hold a list of SEQs (and the ids a list of lists),
+      and a JSON list of request objects is a batch: one sequence each, in order.
+
+Sequences are matched by index, positions by number; only the positions both files score are compared, and
+where both files carry token ids they must agree. B is the baseline: KL(B || A), B's top-1/top-2 margin.
+Printed per sequence and overall: KL (mean, max), cosine (mean, min), top-1 agreement, max and mean |Δ|, and
+the first diverging position (the top-1 differs there, or max |Δ| > --atol-max). Two full dumps are
+compared on the whole vocabulary, cosine and |Δ| on the raw logits. A top-k file on either side makes it a
+comparison on the shared top-k support, and the report says so: at each position, full logits are
+log-softmaxed over the vocabulary, restricted to the ids both sides give and renormalised, top-k log-probs
+are renormalised on the same ids, and KL, cosine and |Δ| are taken on these renormalised log-probs. Top-1
+is always each side's own best token. The default tolerances are the parity targets of spec numerics.md §15
+(max / mean |Δ|: tiny model, same world size and device; KL, cosine, top-1: released weights); `inf` or 0
+switches a check off. Exit status: 0 when every check passes, 1 when one fails, 2 on bad input.
+
+compare-blocks: at which forward and block do two runs part?
+
+    python -m inference.parity compare-blocks A_CAPS B_CAPS [--rtol 1e-3] [--pre-mix-atol 1e-4]
+
+Block captures come from score_with_capture() below (generate.py --capture-blocks FILE) or are the
+fixture's intermediates.safetensors; both use one naming, per forward k of the scoring protocol (the
+forwards whose logits the dump holds): `stepKK.engram_hashes` [B, s, n_engram, cols], `stepKK.engram_out`
+[n_engram, B, s, hc, D], `stepKK.indexer_idxs.layerL` [B, s, k] for each index source L (the selected
+compressed rows, offset by the window rows), `stepKK.candidates` [B, s, T] U8, `stepKK.block_out`
+[n_layers, B, s, hc, D], `stepKK.block_pre_mix` [n_layers, B, s, hc], `stepKK.final_norm` [B, s, D]; our
+captures add `stepKK.input_ids` [B, s] and `stepKK.start_pos` [1]. Streams are compared by relative
+Frobenius error |A - B| / |B| (<= --rtol, fixture README §8.2), the collapse weights by max |Δ|
+(<= --pre-mix-atol), ids, hashes, selections and candidate masks exactly. The checks run in execution
+order (forward by forward; inside one: ids, hashes, then per block its Engram, its index selection, its
+candidate mask, its output and collapse weights; last the final norm) and the first one that fails is
+named. Later forwards inherit a divergence through the caches, so only the first locates it. Runs of two
+different implementations also differ by rounding noise that compounds along the depth (ours against the
+fixture end to end: 2e-5 after block 0, 1e-3 after block 1, 2e-2 after block 7), so across
+implementations look for a jump above that floor, or raise --rtol; a bug shows up as a jump.
+
+Worked example on the reference-tiny fixture (FIX = ../shared/fixtures/reference-tiny), under the CPU code
+paths the fixture was made with (README, bit-level note; without them the official top-1/top-2 margin of
+0.015 at the fixture's step 18 flips, and the top-1 check fails at 20/21):
+
+    $ export MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2
+    $ python generate.py --ckpt-path FIX --config FIX/config.json --score FIX/score.json --dump-logits ours.st
+    $ python -m inference.parity compare ours.st FIX/reference_logits.safetensors
+    A: ours.st: logits dump, 1 sequence(s), 21 scored positions, full vocabulary (1024)
+    B: FIX/reference_logits.safetensors: fixture reference logits, 1 sequence(s), 321 scored positions, ...
+    compared on the full vocabulary (KL, cosine and |Δ| on the raw fp32 logits), 21 shared positions
+     seq   pos     KL mean      KL max  cos mean   cos min          top-1    max|Δ|   mean|Δ|  first ...
+       0    21   2.370e-04   1.070e-03  0.999775  0.999035    21/21  100.0%  1.56e-01  1.64e-02  -
+    checks: max|Δ| 0.1561 <= 0.25 ok; mean|Δ| 0.01635 <= 0.03 ok; mean KL 0.000237 <= 0.001 ok; mean cos
+    0.999775 >= 0.999 ok; top-1 100.00% >= 99.5% ok
+    PASS
+
+A model with one expert's weights scaled (expert 0's w2 x8 in block 4) fails the same check (max |Δ| 0.94,
+mean KL 3.9e-3; exit status 1), and the block captures of the two runs (score_with_capture, or the
+--capture-blocks flag of generate.py's scoring mode) name the block:
+
+    $ python -m inference.parity compare-blocks bad_caps.st ours_caps.st
+    ...
+    step 00: input_ids exact, engram_hashes exact, engram_out 0.00e+00, block_out 1.00e-01 (block 4), ...
+    ...
+    first divergence: step 00, block 4: block_out relative error 1.00e-01 > 0.001
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+class ParityError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block capture along the scoring protocol
+# ---------------------------------------------------------------------------------------------------------
+
+PER_LAYER = ("engram_out", "block_out", "block_pre_mix")   # one tensor per layer, stacked on a new dim 0
+
+
+class CaptureRecorder:
+    """Stands in for a Transformer: each call runs the model with `capture` and keeps that forward's tensors
+    on the CPU, one step per call. Everything else (args, mtp, parameters) is the model's."""
+
+    def __init__(self, model):
+        self.model = model
+        self.steps: List[Dict[str, torch.Tensor]] = []
+
+    def __getattr__(self, name):
+        if name == "model":    # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, **kwargs):
+        if self.model.ctx.par.rank != 0:     # every rank holds the same streams; rank 0 writes them
+            return self.model(input_ids, start_pos, **kwargs)
+        capture: Dict[str, List[torch.Tensor]] = {}
+        out = self.model(input_ids, start_pos, capture=capture, **kwargs)
+        step = {"input_ids": input_ids, "start_pos": torch.tensor([start_pos])}
+        for name, ts in capture.items():
+            t = torch.stack(ts) if name in PER_LAYER else ts[0]
+            step[name] = t.to(torch.uint8) if t.dtype == torch.bool else t    # U8 masks, as in the fixture
+        self.steps.append({k: t.to("cpu", copy=True).contiguous() for k, t in step.items()})
+        return out
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {f"step{k:02d}.{name}": t for k, step in enumerate(self.steps) for name, t in step.items()}
+
+    def metadata(self) -> Dict[str, str]:
+        a, opts = self.model.args, self.model.ctx.opts
+        numerics = "golden" if opts.golden else "fixed" if opts.fix_index_k_publish else "reference"
+        return {"format": "parity-capture", "steps": str(len(self.steps)), "numerics": numerics,
+                "world_size": str(self.model.ctx.par.world_size), "n_layers": str(a.n_layers),
+                "engram_layer_ids": json.dumps(list(a.engram_layer_ids)),
+                "candidate_source_layer": str(a.candidate_source_layer)}
+
+
+def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_path: str,
+                       score_fn: Optional[Callable] = None, **score_kw) -> Dict[str, torch.Tensor]:
+    """Run the scoring protocol of generate.score() (forward 0 = prefill [0, P) at start_pos 0, forward k =
+    position P+k-1) and write every forward's block capture to `capture_path` (safetensors, rank 0, atomic).
+    Returns what score() returns, the --dump-logits tensors. score_fn defaults to generate.score; score_kw
+    are its other arguments (all_prefill_logits, stats, ...)."""
+    if score_fn is None:
+        from generate import score as score_fn   # the one scoring protocol, generate.py at the repo root
+    recorder = CaptureRecorder(model)
+    out = score_fn(recorder, seqs, prefill_len, **score_kw)
+    if model.ctx.par.rank == 0:
+        _save_atomically(recorder.tensors(), capture_path,
+                         dict(recorder.metadata(), prefill_len=str(prefill_len)))
+    return out
+
+
+def _save_atomically(tensors: Dict[str, torch.Tensor], path: str, metadata: Dict[str, str]) -> None:
+    from safetensors.torch import save_file
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading score files: logits dumps and engines' top-k prompt log-probabilities
+# ---------------------------------------------------------------------------------------------------------
+
+TopK = Tuple[torch.Tensor, torch.Tensor]    # ids int64 [k], log-probs fp64 [k]
+
+
+@dataclass
+class SeqScores:
+    """One sequence of a file: the positions it scores (position p: the distribution of token p+1) and, per
+    position, full logits or a top-k."""
+    positions: List[int]
+    logits: Optional[torch.Tensor] = None        # [n, V] fp32
+    topk: Optional[List[TopK]] = None
+    input_ids: Optional[List[int]] = None
+
+
+@dataclass
+class ScoreFile:
+    path: str
+    kind: str
+    seqs: List[SeqScores] = field(default_factory=list)
+
+    @property
+    def full(self) -> bool:
+        return self.seqs[0].logits is not None
+
+    def describe(self) -> str:
+        n = sum(len(s.positions) for s in self.seqs)
+        if self.full:
+            what = f"full vocabulary ({self.seqs[0].logits.shape[-1]})"
+        else:
+            ks = [len(ids) for s in self.seqs for ids, _ in s.topk]
+            what = f"top-k, {min(ks)} to {max(ks)} ids per position"
+        return f"{self.path}: {self.kind}, {len(self.seqs)} sequence(s), {n} scored positions, {what}"
+
+
+def read_scores(path: str) -> ScoreFile:
+    if not os.path.isfile(path):
+        raise ParityError(f"file not found: {path}")
+    return _read_json(path) if path.endswith(".json") else _read_dump(path)
+
+
+def _read_dump(path: str) -> ScoreFile:
+    from safetensors.torch import load_file
+    try:
+        t = load_file(path)
+    except Exception as e:   # safetensors raises its own error types
+        raise ParityError(f"{path}: not a readable safetensors file ({e})") from None
+    if "logits" in t and "input_ids" in t:
+        kind, logits, ids, prefill = "logits dump", t["logits"], t["input_ids"], t.get("prefill_logits")
+    elif "step_logits" in t and "prompt_ids" in t:
+        kind, logits, prefill = "fixture reference logits", t["step_logits"], t.get("prefill_all_logits")
+        ids = torch.cat([t["prompt_ids"], t["generated_ids"][:, :-1]], dim=1)
+    elif any(k.endswith(".block_out") for k in t):
+        raise ParityError(f"{path} is a block capture: use `python -m inference.parity compare-blocks`")
+    else:
+        found = ", ".join(sorted(t)[:6])
+        raise ParityError(f"{path}: expected `logits` and `input_ids` (a --dump-logits file) or "
+                          f"`step_logits` and `prompt_ids` (reference_logits.safetensors), found {found}")
+    n_steps, bsz, _ = logits.shape
+    prefill_len = ids.shape[1] - n_steps + 1                  # forward k scores position P-1+k
+    out = ScoreFile(path, kind)
+    for b in range(bsz):
+        row = ids[b].tolist()
+        pos = [prefill_len - 1 + k for k in range(n_steps) if not logits[k, b].isnan().any()]
+        rows = [logits[p - prefill_len + 1, b] for p in pos]
+        if prefill is not None:                               # positions 0..P-2 (P-1 is forward 0's)
+            pos = list(range(prefill_len - 1)) + pos
+            rows = list(prefill[b, :prefill_len - 1]) + rows
+        if not pos:
+            raise ParityError(f"{path}: sequence {b} has no scored position")
+        out.seqs.append(SeqScores(pos, logits=torch.stack(rows).float(),
+                                  input_ids=row[:row.index(-1)] if -1 in row else row))
+    return out
+
+
+def _read_json(path: str) -> ScoreFile:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ParityError(f"{path}: not valid JSON ({e})") from None
+    requests = obj["choices"] if isinstance(obj, dict) and "choices" in obj else obj
+    out, kinds = ScoreFile(path, ""), set()
+    for i, req in enumerate(requests if isinstance(requests, list) else [requests]):
+        if not isinstance(req, dict):
+            raise ParityError(f"{path}: request {i} is not a JSON object (`python -m inference.parity -h`)")
+        req = req.get("meta_info", req)
+        if "prompt_logprobs" in req:
+            kinds.add("vLLM prompt_logprobs")
+            seqs, parse, ids = req["prompt_logprobs"], _vllm_entry, req.get("prompt_token_ids")
+        elif "input_top_logprobs" in req:
+            kinds.add("SGLang input_top_logprobs")
+            seqs, parse, ids = req["input_top_logprobs"], _sglang_entry, req.get("input_token_logprobs")
+        else:
+            raise ParityError(f"{path}: request {i} has neither prompt_logprobs (vLLM) nor "
+                              f"input_top_logprobs (SGLang)")
+        if not isinstance(seqs, list):
+            raise ParityError(f"{path}: request {i}: expected a list of per-position entries")
+        if not _is_list_of_sequences(seqs, parse):
+            seqs, ids = [seqs], [ids]
+        ids = ids or [None] * len(seqs)
+        if parse is _sglang_entry:                            # [logprob, id, text] per token: keep the ids
+            ids = [[e[1] for e in seq_ids] if seq_ids else None for seq_ids in ids]
+        for seq, seq_ids in zip(seqs, ids):
+            try:
+                entries = [(t - 1, parse(e)) for t, e in enumerate(seq) if t > 0 and e]
+            except (TypeError, ValueError, KeyError, IndexError) as e:
+                raise ParityError(f"{path}: request {i}: unreadable entry ({e!r})") from None
+            if not entries:
+                raise ParityError(f"{path}: request {i}: no position has log-probabilities")
+            out.seqs.append(SeqScores([p for p, _ in entries], topk=[e for _, e in entries],
+                                      input_ids=list(seq_ids) if seq_ids else None))
+    out.kind = " + ".join(sorted(kinds))
+    return out
+
+
+def _is_list_of_sequences(seqs: list, parse) -> bool:
+    """A position is a dict (vLLM) or a list of [logprob, id, ...] (SGLang); a list of sequences nests one
+    level deeper."""
+    first = next((e for e in seqs if e), None)
+    if parse is _vllm_entry:
+        return isinstance(first, list)
+    inner = next((e for e in first if e), None) if isinstance(first, list) else None
+    return isinstance(inner, list) and any(isinstance(x, list) for x in inner)
+
+
+def _vllm_entry(e: dict) -> TopK:
+    items = [(int(k), v["logprob"] if isinstance(v, dict) else v) for k, v in e.items()]
+    return _topk([i for i, _ in items], [lp for _, lp in items])
+
+
+def _sglang_entry(e: list) -> TopK:
+    return _topk([int(x[1]) for x in e], [x[0] for x in e])
+
+
+def _topk(ids: List[int], logprobs: List[Optional[float]]) -> TopK:
+    keep = [j for j, lp in enumerate(logprobs) if lp is not None and math.isfinite(lp)]
+    return (torch.tensor([ids[j] for j in keep], dtype=torch.int64),
+            torch.tensor([logprobs[j] for j in keep], dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Comparing two score files
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Tolerances:
+    atol_max: float = 0.25     # numerics.md §15.4: tiny random-weight model against the official logits
+    atol_mean: float = 0.03
+    max_kl: float = 1e-3       # §15.5, released weights: mean KL(official || ours), mean cosine, top-1
+    min_cos: float = 0.999
+    min_top1: float = 0.995
+
+
+@dataclass
+class PositionStats:
+    """Per shared position, for one sequence (or several, concatenated)."""
+    positions: torch.Tensor    # int64 [n]
+    kl: torch.Tensor           # fp64 [n]: KL(B || A)
+    cos: torch.Tensor
+    agree: torch.Tensor        # bool [n]: the same top-1
+    top1: torch.Tensor         # int64 [n, 2]: A's and B's top-1
+    margin: torch.Tensor       # B's top-1 minus top-2 (NaN if B gives one id)
+    dmax: torch.Tensor         # max |Δ| at the position
+    dsum: torch.Tensor         # sum |Δ| and the number of values compared, for the mean over all values
+    dcount: torch.Tensor
+
+    @staticmethod
+    def cat(parts: Sequence["PositionStats"]) -> "PositionStats":
+        return PositionStats(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(PositionStats)))
+
+
+def compare_scores(a: ScoreFile, b: ScoreFile, chunk: int = 64) -> List[PositionStats]:
+    if len(a.seqs) != len(b.seqs):
+        raise ParityError(f"{a.path} has {len(a.seqs)} sequence(s), {b.path} has {len(b.seqs)}")
+    stats = []
+    for i, (sa, sb) in enumerate(zip(a.seqs, b.seqs)):
+        if sa.input_ids and sb.input_ids:
+            n = min(len(sa.input_ids), len(sb.input_ids))
+            diff = [j for j in range(n) if sa.input_ids[j] != sb.input_ids[j]]
+            if diff:
+                j = diff[0]
+                raise ParityError(f"sequence {i}: the files score different tokens (first at position {j}: "
+                                  f"{sa.input_ids[j]} vs {sb.input_ids[j]})")
+        shared = sorted(set(sa.positions) & set(sb.positions))
+        if not shared:
+            span = lambda s: f"{min(s.positions)}..{max(s.positions)}"   # noqa: E731
+            raise ParityError(f"sequence {i}: no position is scored by both files (positions {span(sa)} vs "
+                              f"{span(sb)})")
+        where_a = {p: j for j, p in enumerate(sa.positions)}
+        where_b = {p: j for j, p in enumerate(sb.positions)}
+        ia, ib = [where_a[p] for p in shared], [where_b[p] for p in shared]
+        if sa.logits is not None and sb.logits is not None:   # chunks bound the fp64 [n, V] temporaries
+            st = PositionStats.cat([_full_stats(sa.logits[ia[j:j + chunk]], sb.logits[ib[j:j + chunk]])
+                                    for j in range(0, len(shared), chunk)])
+        else:
+            st = PositionStats.cat([_support_stats(_entry(sa, x), _entry(sb, y)) for x, y in zip(ia, ib)])
+        st.positions = torch.tensor(shared)
+        stats.append(st)
+    return stats
+
+
+def _entry(s: SeqScores, i: int):
+    return s.logits[i] if s.logits is not None else s.topk[i]
+
+
+def _full_stats(a: torch.Tensor, b: torch.Tensor) -> PositionStats:
+    """Logits a, b [n, V] on the whole vocabulary."""
+    a, b = a.double(), b.double()
+    la, lb = a.log_softmax(-1), b.log_softmax(-1)
+    d = (a - b).abs()
+    n = a.shape[0]
+    top2 = b.topk(min(2, b.shape[-1]), dim=-1).values
+    margin = top2[:, 0] - top2[:, 1] if top2.shape[-1] == 2 else torch.full((n,), math.nan)
+    return PositionStats(torch.zeros(n, dtype=torch.int64), (lb.exp() * (lb - la)).sum(-1),
+                         F.cosine_similarity(a, b, dim=-1), a.argmax(-1) == b.argmax(-1),
+                         torch.stack([a.argmax(-1), b.argmax(-1)], dim=-1), margin, d.amax(-1), d.sum(-1),
+                         torch.full((n,), float(a.shape[-1]), dtype=torch.float64))
+
+
+def _support_stats(a, b) -> PositionStats:
+    """One position; each side full logits [V] or a top-k. Compared on the ids both sides give."""
+    support = None
+    for side in (a, b):
+        if isinstance(side, tuple):
+            support = side[0] if support is None else support[torch.isin(support, side[0])]
+    if support.numel() == 0:
+        raise ParityError("at some position the two top-k lists share no token id")
+    va, vb = _restrict(a, support), _restrict(b, support)
+    va, vb = va - va.logsumexp(0), vb - vb.logsumexp(0)     # renormalised on the shared support
+    d = (va - vb).abs()
+    best_a, best_b = _best(a), _best(b)
+    one = lambda v: torch.tensor([v], dtype=torch.float64)   # noqa: E731
+    return PositionStats(torch.zeros(1, dtype=torch.int64), one((vb.exp() * (vb - va)).sum().item()),
+                         one(F.cosine_similarity(va, vb, dim=0).item()), torch.tensor([best_a == best_b]),
+                         torch.tensor([[best_a, best_b]]), one(_margin(b)), one(d.max().item()),
+                         one(d.sum().item()), one(float(d.numel())))
+
+
+def _restrict(side, support: torch.Tensor) -> torch.Tensor:
+    if isinstance(side, tuple):
+        ids, lp = side
+        where = {int(t): j for j, t in enumerate(ids)}
+        return lp[[where[int(t)] for t in support]]
+    return side.double().log_softmax(-1)[support]
+
+
+def _best(side) -> int:
+    return int(side[0][side[1].argmax()]) if isinstance(side, tuple) else int(side.argmax())
+
+
+def _margin(side) -> float:
+    v = side[1] if isinstance(side, tuple) else side.double()
+    if v.numel() < 2:
+        return math.nan
+    top2 = v.topk(2).values
+    return float(top2[0] - top2[1])
+
+
+def first_divergence(st: PositionStats, tol: Tolerances) -> Optional[Tuple[int, str]]:
+    """(position, why) of the first position whose top-1 differs or whose max |Δ| exceeds --atol-max (the
+    KL, cosine and mean bounds are bounds on means, not on single positions)."""
+    bad = ~st.agree | (st.dmax > tol.atol_max)
+    if not bad.any():
+        return None
+    j = int(bad.nonzero()[0])
+    why = []
+    if not st.agree[j]:
+        why.append(f"top-1 {int(st.top1[j, 0])} vs {int(st.top1[j, 1])}, B margin {float(st.margin[j]):.3g}")
+    if st.dmax[j] > tol.atol_max:
+        why.append(f"max|Δ| {float(st.dmax[j]):.3g}")
+    return int(st.positions[j]), "; ".join(why + [f"KL {float(st.kl[j]):.3g}"])
+
+
+def summarize(st: PositionStats) -> Dict[str, float]:
+    flips = st.margin[~st.agree]
+    return {"n": st.kl.numel(), "kl_mean": st.kl.mean().item(), "kl_max": st.kl.max().item(),
+            "cos_mean": st.cos.mean().item(), "cos_min": st.cos.min().item(),
+            "top1": st.agree.double().mean().item(), "agree": int(st.agree.sum()),
+            "flip_margin": flips.max().item() if flips.numel() else 0.0,
+            "dmax": st.dmax.max().item(), "dmean": (st.dsum.sum() / st.dcount.sum()).item()}
+
+
+def check(s: Dict[str, float], tol: Tolerances) -> List[Tuple[str, bool]]:
+    flips = s["n"] - s["agree"]
+    top1 = f"top-1 {100 * s['top1']:.2f}% >= {100 * tol.min_top1:g}%"
+    if flips:
+        top1 += f" ({flips} flip(s), B margin there <= {s['flip_margin']:.3g})"
+    return [(f"max|Δ| {s['dmax']:.4g} <= {tol.atol_max:g}", s["dmax"] <= tol.atol_max),
+            (f"mean|Δ| {s['dmean']:.4g} <= {tol.atol_mean:g}", s["dmean"] <= tol.atol_mean),
+            (f"mean KL {s['kl_mean']:.4g} <= {tol.max_kl:g}", s["kl_mean"] <= tol.max_kl),
+            (f"mean cos {s['cos_mean']:.6f} >= {tol.min_cos:g}", s["cos_mean"] >= tol.min_cos),
+            (top1, s["top1"] >= tol.min_top1)]
+
+
+def run_compare(path_a: str, path_b: str, tol: Optional[Tolerances] = None, out=None) -> bool:
+    """Prints the report; True when every check passes."""
+    tol = tol or Tolerances()
+    a, b = read_scores(path_a), read_scores(path_b)
+    stats = compare_scores(a, b)
+    p = lambda *x: print(*x, file=out or sys.stdout)   # noqa: E731
+    p(f"A: {a.describe()}")
+    p(f"B: {b.describe()}")
+    n = sum(s.kl.numel() for s in stats)
+    if a.full and b.full:
+        p(f"compared on the full vocabulary (KL, cosine and |Δ| on the raw fp32 logits), {n} shared "
+          f"positions")
+    else:
+        p("compared on the shared top-k support: full logits log-softmaxed, restricted to the token ids both "
+          "sides give at each position and renormalised, top-k log-probs renormalised on the same ids; KL, "
+          f"cosine and |Δ| on these renormalised log-probs; top-1 is each side's own best token; {n} shared "
+          f"positions")
+    p(f"{'seq':>4} {'pos':>5} {'KL mean':>11} {'KL max':>11} {'cos mean':>9} {'cos min':>9} {'top-1':>14} "
+      f"{'max|Δ|':>9} {'mean|Δ|':>9}  first divergence")
+
+    def row(label: str, s: Dict[str, float], where: str) -> None:
+        p(f"{label:>4} {s['n']:>5} {s['kl_mean']:>11.3e} {s['kl_max']:>11.3e} {s['cos_mean']:>9.6f} "
+          f"{s['cos_min']:>9.6f} {s['agree']:>5}/{s['n']:<4}{100 * s['top1']:>5.1f}% {s['dmax']:>9.2e} "
+          f"{s['dmean']:>9.2e}  {where}")
+
+    firsts = [first_divergence(st, tol) for st in stats]
+    for i, (st, div) in enumerate(zip(stats, firsts)):
+        row(str(i), summarize(st), "-" if div is None else f"position {div[0]}: {div[1]}")
+    overall = summarize(PositionStats.cat(stats))
+    if len(stats) > 1:
+        seq = next((i for i, div in enumerate(firsts) if div is not None), None)
+        row("all", overall, "-" if seq is None else f"sequence {seq}, position {firsts[seq][0]}")
+    results = check(overall, tol)
+    p("checks: " + "; ".join(f"{msg} {'ok' if ok else 'FAILED'}" for msg, ok in results))
+    passed = all(ok for _, ok in results)
+    p("PASS" if passed else "FAIL")
+    return passed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Comparing block captures
+# ---------------------------------------------------------------------------------------------------------
+
+EXACT_KINDS = ("input_ids", "engram_hashes", "indexer_idxs", "candidates")
+
+
+@dataclass
+class BlockLayout:
+    n_layers: int
+    engram_layer_ids: List[int]
+    candidate_source_layer: Optional[int]    # None: unknown, the mask is checked at the end of the forward
+
+
+def _layout(metas: Sequence[Dict[str, str]], caps: Dict[str, torch.Tensor]) -> BlockLayout:
+    """From our captures' metadata. The fixture's intermediates have none: Engram sits on the first layers."""
+    for meta in metas:
+        if meta.get("format") == "parity-capture":
+            cand = int(meta["candidate_source_layer"])
+            return BlockLayout(int(meta["n_layers"]), json.loads(meta["engram_layer_ids"]),
+                               cand if cand >= 0 else None)
+    n_engram = caps["step00.engram_out"].shape[0] if "step00.engram_out" in caps else 0
+    return BlockLayout(caps["step00.block_out"].shape[0], list(range(n_engram)), None)
+
+
+def _load_capture(path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        raise ParityError(f"file not found: {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        caps = load_file(path)
+    except Exception as e:   # safetensors raises its own error types
+        raise ParityError(f"{path}: not a readable safetensors file ({e})") from None
+    caps = {k: v for k, v in caps.items() if re.match(r"step\d+\.", k)}
+    if "step00.block_out" not in caps:
+        raise ParityError(f"{path}: no step00.block_out (not a block capture)")
+    return caps, meta
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    num, den = (a.double() - b.double()).norm().item(), b.double().norm().item()
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def _step_checks(k: int, ca, cb, lay: BlockLayout, rtol: float, pre_mix_atol: float):
+    """[(block or None, kind, value, ok, message)] for forward k, in execution order."""
+    pre = f"step{k:02d}."
+    out = []
+
+    def exact(name: str, block: Optional[int]) -> None:
+        a, b = ca.get(pre + name), cb.get(pre + name)
+        if a is None or b is None:
+            return
+        if a.shape != b.shape:
+            out.append((block, name, 1.0, False, f"{name} shape {list(a.shape)} vs {list(b.shape)}"))
+            return
+        n_diff = int((a.long() != b.long()).sum())
+        out.append((block, name, float(n_diff > 0), n_diff == 0,
+                    f"{name} differs ({n_diff} of {a.numel()} entries)"))
+
+    def close(name: str, index: Optional[int], block: Optional[int], tol: float, relative=True) -> None:
+        a, b = ca.get(pre + name), cb.get(pre + name)
+        if a is None or b is None or (index is not None and index >= min(a.shape[0], b.shape[0])):
+            return
+        if index is not None:
+            a, b = a[index], b[index]
+        if a.shape != b.shape:
+            out.append((block, name, math.inf, False, f"{name} shape {list(a.shape)} vs {list(b.shape)}"))
+            return
+        value = _rel(a, b) if relative else (a.double() - b.double()).abs().max().item()
+        what = "relative error" if relative else "max|Δ|"
+        out.append((block, name, value, value <= tol, f"{name} {what} {value:.2e} > {tol:g}"))
+
+    exact("input_ids", None)
+    exact("engram_hashes", None)
+    for layer in range(lay.n_layers):
+        if layer in lay.engram_layer_ids:
+            close("engram_out", lay.engram_layer_ids.index(layer), layer, rtol)
+        exact(f"indexer_idxs.layer{layer}", layer)
+        if layer == lay.candidate_source_layer:
+            exact("candidates", layer)
+        close("block_out", layer, layer, rtol)
+        close("block_pre_mix", layer, layer, pre_mix_atol, relative=False)
+    if lay.candidate_source_layer is None:
+        exact("candidates", None)
+    close("final_norm", None, None, rtol)
+    return out
+
+
+def run_compare_blocks(path_a: str, path_b: str, rtol: float = 1e-3, pre_mix_atol: float = 1e-4,
+                       out=None) -> Optional[Tuple[int, Optional[int], str]]:
+    """Prints one line per forward and the first divergence; returns it as (step, block or None, message),
+    None when every check passes."""
+    ca, meta_a = _load_capture(path_a)
+    cb, meta_b = _load_capture(path_b)
+    p = lambda *x: print(*x, file=out or sys.stdout)   # noqa: E731
+    steps_a = {int(k[4:k.index(".")]) for k in ca}
+    steps_b = {int(k[4:k.index(".")]) for k in cb}
+    steps = sorted(steps_a & steps_b)
+    lay = _layout([meta_a, meta_b], ca)
+    p(f"A: {path_a} ({len(steps_a)} forwards, numerics {meta_a.get('numerics', 'not recorded')})")
+    p(f"B: {path_b} ({len(steps_b)} forwards, numerics {meta_b.get('numerics', 'not recorded')})")
+    if len(steps) < max(len(steps_a), len(steps_b)):
+        p(f"comparing the {len(steps)} forwards captured in both")
+    only = sorted({k.split(".", 1)[1] for k in ca} ^ {k.split(".", 1)[1] for k in cb})
+    if only:
+        p(f"in one file only, not compared: {', '.join(only)}")
+    p(f"tolerances: streams relative Frobenius error <= {rtol:g}, block_pre_mix max|Δ| <= {pre_mix_atol:g}, "
+      f"ids / hashes / selections / candidates exact")
+    first = None
+    for k in steps:
+        worst: Dict[str, Tuple[float, Optional[int]]] = {}
+        for block, name, value, ok, msg in _step_checks(k, ca, cb, lay, rtol, pre_mix_atol):
+            kind = name.split(".")[0]                          # indexer_idxs.layerL -> indexer_idxs
+            if kind not in worst or value > worst[kind][0]:
+                worst[kind] = (value, block)
+            if not ok and first is None:
+                first = (k, block, msg)
+        parts = []
+        for kind, (value, block) in worst.items():
+            shown = ("DIFFER" if value else "exact") if kind in EXACT_KINDS else f"{value:.2e}"
+            parts.append(f"{kind} {shown}" + (f" (block {block})" if block is not None and value > 0 else ""))
+        p(f"step {k:02d}: " + ", ".join(parts))
+    if first is None:
+        p("no divergence beyond tolerance")
+    else:
+        step, block, msg = first
+        p(f"first divergence: step {step:02d}, {'model input' if block is None else f'block {block}'}: {msg}")
+    return first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.parity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="compare two logits dumps / prompt-logprobs files (B = the baseline)")
+    c.add_argument("a", help="logits dump (.safetensors) or prompt log-probabilities (.json)")
+    c.add_argument("b", help="the baseline, of the same kinds")
+    t = Tolerances()
+    c.add_argument("--atol-max", type=float, default=t.atol_max, help=f"max |Δ| (default {t.atol_max})")
+    c.add_argument("--atol-mean", type=float, default=t.atol_mean, help=f"mean |Δ| (default {t.atol_mean})")
+    c.add_argument("--max-kl", type=float, default=t.max_kl, help=f"mean KL(B || A) (default {t.max_kl})")
+    c.add_argument("--min-cos", type=float, default=t.min_cos, help=f"mean cosine (default {t.min_cos})")
+    c.add_argument("--min-top1", type=float, default=t.min_top1,
+                   help=f"top-1 agreement, a fraction (default {t.min_top1})")
+    cb = sub.add_parser("compare-blocks", help="name the first forward and block where two captures differ")
+    cb.add_argument("a", help="block capture (score_with_capture, --capture-blocks) or intermediates file")
+    cb.add_argument("b", help="the baseline, of the same kinds")
+    cb.add_argument("--rtol", type=float, default=1e-3,
+                    help="relative Frobenius error of the streams (default 1e-3, fixture README §8.2)")
+    cb.add_argument("--pre-mix-atol", type=float, default=1e-4,
+                    help="max |Δ| of the collapse weights block_pre_mix (default 1e-4)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    o = parse_args(argv)
+    try:
+        if o.command == "compare":
+            tol = Tolerances(o.atol_max, o.atol_mean, o.max_kl, o.min_cos, o.min_top1)
+            return 0 if run_compare(o.a, o.b, tol) else 1
+        return 0 if run_compare_blocks(o.a, o.b, o.rtol, o.pre_mix_atol) is None else 1
+    except ParityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
