@@ -18,7 +18,8 @@ THINK_START_ID = 128821
 THINK_END_ID = 128822
 DSML_ID = 128825
 LATEST_REMINDER_ID = 128828
-IMAGE_TOKEN_ID = 129264  # the encoder writes `<｜deepseek_image｜>`; the released file spells it `<｜image2｜>`
+# the encoder writes `<｜deepseek_image｜>`; the released file spells it `<｜image2｜>`
+IMAGE_TOKEN_ID = 129264
 SPECIAL_TOKEN_IDS = {
     "<｜begin▁of▁sentence｜>": BOS_ID,
     "<｜end▁of▁sentence｜>": EOS_ID,
@@ -70,7 +71,8 @@ def write_v41_tokenizer(dest_dir: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(tok, f, ensure_ascii=False)
     os.replace(tmp, os.path.join(dest_dir, "tokenizer.json"))
-    shutil.copyfile(os.path.join(src, "tokenizer_config.json"), os.path.join(dest_dir, "tokenizer_config.json"))
+    shutil.copyfile(os.path.join(src, "tokenizer_config.json"),
+                    os.path.join(dest_dir, "tokenizer_config.json"))
 
 
 def read_special_ids(path: str, tokenizer: Tokenizer = None) -> dict:

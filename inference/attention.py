@@ -61,7 +61,8 @@ class Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(args.n_heads * args.head_dim // args.o_groups,
                                          args.o_groups * args.o_lora_rank, "bf16", ctx.par)
         self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx.par)
-        self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32), requires_grad=False)
+        self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32),
+                                      requires_grad=False)
         self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, self.window, args.head_dim,
                                                      dtype=ctx.act_dtype), persistent=False)
         self.compressor = self.indexer = None

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 # Held in fp32 by the model although stored as bf16 (exact widening).
-_WIDEN = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight|mtp\.\d+\.confidence_head\.proj\.weight"
+_WIDEN = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight"
+                    r"|mtp\.\d+\.confidence_head\.proj\.weight"
                     r"|layers\.\d+\.attn\.compressor\.(wkv|wgate)\.weight"
                     r"|vision\.blocks\.\d+\.norm[12]\.weight|vision\.norm\.weight)$")
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
@@ -30,7 +31,8 @@ def check_shards(ckpt_dir: str, world_size: int) -> None:
     missing = [shard_path(ckpt_dir, r, world_size) for r in range(world_size)
                if not os.path.isfile(shard_path(ckpt_dir, r, world_size))]
     if missing:
-        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ckpt_dir, "model*-mp*.safetensors")))
+        found = sorted(os.path.basename(p)
+                       for p in glob.glob(os.path.join(ckpt_dir, "model*-mp*.safetensors")))
         worlds = sorted({int(m.group(1)) for f in found if (m := re.search(r"-mp(\d+)\.", f))})
         hint = (f"; the directory holds shards for world size {', '.join(map(str, worlds))}: launch with "
                 f"--nproc-per-node {worlds[0]}" if worlds else "; no model*-mp*.safetensors files found")

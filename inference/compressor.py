@@ -52,7 +52,8 @@ class Compressor(nn.Module):
             for i in range(s):
                 self._store(start_pos + i, kv[:, i], score[:, i])
                 if (start_pos + i + 1) % 2 == 0:
-                    pooled.append((self.kv_state[:b] * self.score_state[:b].softmax(dim=1)).sum(dim=1, keepdim=True))
+                    pooled.append((self.kv_state[:b] * self.score_state[:b].softmax(dim=1))
+                                  .sum(dim=1, keepdim=True))
             if not pooled:
                 return None
             pooled = torch.cat(pooled, dim=1)                        # [B, n, hd]

@@ -160,7 +160,8 @@ class ModelArgs:
                 src = self.kv_source_of(i)
                 need(src >= 0 and self.compress_ratios[src] == r,
                      f"layer {i} (ratio {r}) has no KV source of the same ratio at or before it")
-                need(self.index_source_of(i) >= 0, f"layer {i} (ratio {r}) has no index source at or before it")
+                need(self.index_source_of(i) >= 0,
+                     f"layer {i} (ratio {r}) has no index source at or before it")
         for s in self.index_source_layers:
             need(0 <= s < self.n_layers and self.compress_ratios[s] > 0,
                  f"index_source_layers entry {s} must be a backbone layer with compress ratio > 0")

@@ -236,7 +236,8 @@ class ParallelEngramEmbedding(nn.Module):
         self.par = par
         self.part = -(-rows // par.world_size)
         self.start = par.rank * self.part
-        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
         self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu),
                                   requires_grad=False)
         self.golden = False   # set by the Transformer: keep the dequantized rows in fp32
@@ -261,12 +262,16 @@ class Engram(nn.Module):
         super().__init__()
         self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
         n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
-        self.embed = ParallelEngramEmbedding(args.engram_num_embeddings[engram_index], args.engram_head_dim, par)
+        self.embed = ParallelEngramEmbedding(args.engram_num_embeddings[engram_index], args.engram_head_dim,
+                                             par)
         self.wkv = Linear(n_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, args.dtype)
-        self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16), requires_grad=False)
-        self.k_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16), requires_grad=False)
+        self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16),
+                                     requires_grad=False)
+        self.k_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16),
+                                     requires_grad=False)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, S, hc, D] bf16 streams, rows [B, S, cols] table rows, mask [B, S] (False = image)."""
         e = self.embed(rows).flatten(2)                                     # [B, S, cols*head_dim]
         kv = self.wkv(e)                                                    # [B, S, (hc+1)*D]

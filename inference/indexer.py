@@ -42,7 +42,8 @@ class Indexer(nn.Module):
         args: ModelArgs = ctx.args
         self.ctx, self.layer_id = ctx, layer_id
         self.ratio = args.compress_ratios[layer_id]
-        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
+        self.n_heads, self.head_dim, self.rope_dim = (args.index_n_heads, args.index_head_dim,
+                                                      args.rope_head_dim)
         self.n_local_heads = args.index_n_heads // ctx.par.world_size
         self.topk = args.index_topk
         self.owns_keys = layer_id in args.kv_source_layers

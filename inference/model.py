@@ -1,4 +1,5 @@
-"""Block and Transformer: the V4.1-Flash backbone with hyper-connections, Engram, DSpark hooks (modules §4-6)."""
+"""Block and Transformer: the V4.1-Flash backbone with hyper-connections, Engram, DSpark hooks
+(modules §4-6)."""
 from typing import Dict, List, Optional
 
 import torch
@@ -46,7 +47,8 @@ class Block(nn.Module):
     def mixes(self, x: torch.Tensor, site: str):
         a = self.ctx.args
         return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+                        getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                        a.norm_eps)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
                 image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
@@ -129,10 +131,12 @@ class Transformer(nn.Module):
             raise ValueError("this model was built without the vision tower (vision_n_layers = 0 or "
                              "--language-model-only): prompts with images are not supported")
         if start_pos != 0 or token_types is None:
-            raise ValueError("image spans must be prefilled in a single chunk at start_pos 0, with token_types")
+            raise ValueError("image spans must be prefilled in a single chunk at start_pos 0, "
+                             "with token_types")
         for b, row in enumerate(images):
             for img in row or []:
-                rows = encode_image(self.vision, self.aligner, img.patches.to(h.device), img.n_vit_h, img.n_vit_w)
+                rows = encode_image(self.vision, self.aligner, img.patches.to(h.device),
+                                    img.n_vit_h, img.n_vit_w)
                 span = image_span_embeddings(rows, img.n_llm_h, img.n_llm_w, self.image_start,
                                              self.image_newline, self.image_end)
                 if img.start < 0 or img.start + span.shape[0] > h.shape[1]:
@@ -148,7 +152,8 @@ class Transformer(nn.Module):
         if start_pos + s > a.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
         if start_pos > 0 and s > a.window_size:
-            raise ValueError(f"an extend call (start_pos > 0) takes at most window_size={a.window_size} tokens")
+            raise ValueError(f"an extend call (start_pos > 0) takes at most "
+                             f"window_size={a.window_size} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,

@@ -32,7 +32,8 @@ def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:
 
 def float_to_ue8m0(s: torch.Tensor) -> torch.Tensor:
     """Exact power of two (fp32) -> UE8M0 storage."""
-    return ((s.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+    bits = (s.float().contiguous().view(torch.int32) >> 23) & 0xFF
+    return bits.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _group(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -59,7 +60,8 @@ def fp8_qdq_(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 def e2m1_round(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values in [-6, 6] to the E2M1 grid, ties to the even code (0.25->0, 0.75->1, 2.5->2, ...)."""
+    """Round fp32 values in [-6, 6] to the E2M1 grid, ties to the even code
+    (0.25->0, 0.75->1, 2.5->2, ...)."""
     a = v.abs()
     r = torch.where(a <= 0.25, 0.0,
         torch.where(a < 0.75, 0.5,

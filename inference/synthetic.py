@@ -20,12 +20,14 @@ logits by ~0.1, not by whole units). gain g below means N(0, (g / sqrt(in_featur
 
 | tensors | values |
 |---|---|
-| `wq_a`, `wo_a` 1.6; `wq_b`, indexer `wq_b` 0.95; `wkv`, compressor `wkv`, Engram `wkv` 1.8; `wo_b` 1.9 | gain |
+| `wq_a`, `wo_a` 1.6; `wq_b`, indexer `wq_b` 0.95; `wo_b` 1.9 | gain |
+| `wkv`, compressor `wkv`, Engram `wkv` 1.8 | gain |
 | expert and shared-expert `w1`/`w3` 1.5, `w2` 1.05; router 2.9; other Linears, head, Markov head 1.0 | gain |
 | `embed` | N(0, 0.12²) |
 | Markov `embed` | N(0, 1/rank) |
 | `image_*` vectors, Engram tables | N(0, 1) |
-| RMSNorm weights m·(1 + N(0, 0.1²)): `attn_norm` 0.025, `ffn_norm` 0.2, `kv_norm` 0.4, compressor 0.6, indexer `k_norm` 0.5, `q_norm` 0.97, others 1.0 | |
+| RMSNorm weights: `attn_norm` 0.025, `ffn_norm` 0.2, `kv_norm` 0.4, compressor 0.6 | m·(1 + N(0, 0.1²)) |
+| RMSNorm weights: indexer `k_norm` 0.5, `q_norm` 0.97, others 1.0 | m·(1 + N(0, 0.1²)) |
 | Engram `q_weight` / `k_weight` | 1 + N(0, 0.1²) |
 | `hc_*_fn` | N(0, 1/(hc·dim)) |
 | `hc_*_base`, `hc_*_scale`, `attn_sink` | N(0, 0.45²) |

@@ -95,10 +95,12 @@ def test_examples_basic():
         f"{BOS}<｜System｜>{EFFORT.format(42)}Be brief.<｜User｜>hi<｜Assistant｜><think>"
     msgs = [user("q1"), assistant("a1", reasoning_content="r1"), user("q2")]
     assert encode_messages(msgs, "thinking") == (
-        f"{BOS}<｜System｜>{EFFORT_75}<｜User｜>q1<｜Assistant｜></think>a1{EOS}<｜User｜>q2<｜Assistant｜><think>")
+        f"{BOS}<｜System｜>{EFFORT_75}<｜User｜>q1<｜Assistant｜></think>a1{EOS}"
+        "<｜User｜>q2<｜Assistant｜><think>")
     msgs = [system("A"), user("q1"), assistant("a1"), system("B"), user("q2")]
-    assert encode_messages(msgs, "chat") == (f"{BOS}<｜System｜>A<｜User｜>q1<｜Assistant｜></think>a1{EOS}"
-                                             "<｜System｜>B<｜User｜>q2<｜Assistant｜></think>")
+    assert encode_messages(msgs, "chat") == (
+        f"{BOS}<｜System｜>A<｜User｜>q1<｜Assistant｜></think>a1{EOS}"
+        "<｜System｜>B<｜User｜>q2<｜Assistant｜></think>")
     assert encode_messages([], "chat") == BOS
     assert encode_messages([user("u"), assistant("par", wo_eos=True)], "chat") == \
         f"{BOS}<｜User｜>u<｜Assistant｜></think>par"
@@ -162,7 +164,8 @@ def test_images():
                "content": [{"type": "image_url", "image_url": {"url": "d.png"}}, {"type": "audio"}]}]
     context = [user([{"type": "image", "url": "x"}]), assistant("a")]
     prompt, data = encode_messages([user(nested)], "chat", context=context, return_multi_modal_data=True)
-    assert prompt == f"<｜User｜><tool_result>{ph}\n\n[Unsupported audio]</tool_result><｜Assistant｜></think>"
+    assert prompt == (f"<｜User｜><tool_result>{ph}\n\n[Unsupported audio]</tool_result>"
+                      "<｜Assistant｜></think>")
     assert data["images"] == [{"type": "image", "url": "d.png"}]
     assert encode_messages([user([{"type": "video"}])], "chat") == f"{BOS}<｜User｜>[Unsupported video]" \
         "<｜Assistant｜></think>"
@@ -180,7 +183,7 @@ def test_image_errors(msg):
         encode_messages([msg], "chat")
 
 
-# ---- encoding.md §9 quirks ---------------------------------------------------------------------------------
+# ---- encoding.md §9 quirks --------------------------------------------------------------------------------
 
 
 def test_effort_validation():
@@ -221,7 +224,8 @@ def test_system_quirks():
         '{"type": "json_object"}')
     # A mid-conversation system counts as a user turn for dropping.
     msgs = [user("q"), assistant("a", reasoning_content="r"), system("B")]
-    assert encode_messages(msgs, "thinking").endswith(f"</think>a{EOS}<｜System｜>B<｜Assistant｜><think>")
+    assert encode_messages(msgs, "thinking").endswith(
+        f"</think>a{EOS}<｜System｜>B<｜Assistant｜><think>")
 
 
 def test_reminder_and_none_contents():
@@ -266,7 +270,8 @@ def test_reasoning_rules():
     assert f"<｜User｜>q1<｜Assistant｜><think></think>a1{EOS}" in out
     # Declaring the tool keeps the tool-loop reasoning.
     out = encode_messages([system("", tools=[WEATHER_TOOL])] + msgs, "thinking")
-    assert f"<｜User｜>q2<｜Assistant｜><think>R2</think>{CALLS_PREFIX}" in out and "<think>R1</think>" in out
+    assert (f"<｜User｜>q2<｜Assistant｜><think>R2</think>{CALLS_PREFIX}" in out
+            and "<think>R1</think>" in out)
     # An assistant right after a task message gets no reasoning part.
     out = encode_messages([user("u", task="action"), assistant("Search", reasoning_content="r")], "thinking")
     assert out.endswith(f"<｜User｜>u<｜Assistant｜><think><｜action｜>Search{EOS}")
@@ -281,10 +286,11 @@ def test_merging_and_tasks():
         f"{BOS}<｜User｜>u\n\nv<｜Assistant｜></think>"
     assert encode_messages([user("u", task="query"), user("v")], "chat") == \
         f"{BOS}<｜User｜>u<｜User｜>v<｜Assistant｜></think>"
-    for task, token in [("authority", "<｜authority｜>"), ("domain", "<｜domain｜>"), ("title", "<｜title｜>"),
-                        ("read_url", "<｜read_url｜>")]:
+    for task, token in [("authority", "<｜authority｜>"), ("domain", "<｜domain｜>"),
+                        ("title", "<｜title｜>"), ("read_url", "<｜read_url｜>")]:
         assert encode_messages([user("u", task=task)], "thinking").endswith(f"<｜User｜>u{token}")
-    assert encode_messages([user("u", task="action")], "chat").endswith("<｜Assistant｜></think><｜action｜>")
+    assert encode_messages([user("u", task="action")], "chat").endswith(
+        "<｜Assistant｜></think><｜action｜>")
     with pytest.raises(EncodingError, match="task"):
         encode_messages([user("u", task="search")], "chat")
     # Context: a context list renders nothing and writes no BOS.
@@ -300,7 +306,8 @@ def test_tool_call_arguments():
     out = encode_messages([user("x"), assistant("", tool_calls=calls)], "chat")
     assert out.endswith(
         CALLS_PREFIX +
-        '<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="false">1</｜DSML｜ parameter>\n'
+        '<｜DSML｜ invoke name="f">\n'
+        '<｜DSML｜ parameter name="a" string="false">1</｜DSML｜ parameter>\n'
         "</｜DSML｜ invoke>\n"
         '<｜DSML｜ invoke name="g">\n'
         '<｜DSML｜ parameter name="arguments" string="true">[1,2]</｜DSML｜ parameter>\n'
@@ -347,7 +354,7 @@ def test_malformed_inputs_raise_encoding_error():
             encode_messages(msgs, "chat")
 
 
-# ---- parser (§11) ------------------------------------------------------------------------------------------
+# ---- parser (§11) -----------------------------------------------------------------------------------------
 
 
 def test_parser_spec_example():
@@ -360,18 +367,21 @@ def test_parser_spec_example():
                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]}
     assert parse_message_from_completion_text(text, "thinking") == expected
     assert parse_message_from_completion_text(text[:-len(EOS)], "thinking") == expected  # EOS optional here
-    empty = f'\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="h">\n\n</｜DSML｜ invoke>\n</｜DSML｜ calls>{EOS}'
+    empty = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="h">\n\n</｜DSML｜ invoke>\n'
+             f'</｜DSML｜ calls>{EOS}')
     assert parse_message_from_completion_text(empty, "chat")["tool_calls"] == \
         [{"type": "function", "function": {"name": "h", "arguments": "{}"}}]
     # Leading newlines are kept; string="false" values are not validated.
     assert parse_message_from_completion_text(f"\n\nhi{EOS}", "chat")["content"] == "\n\nhi"
-    raw = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="x" string="false">'
+    raw = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+           '<｜DSML｜ parameter name="x" string="false">'
            f"[oops</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>{EOS}")
     assert parse_message_from_completion_text(raw, "chat")["tool_calls"][0]["function"]["arguments"] == \
         '{"x": [oops}'
 
 
-CALL = ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ parameter>\n'
+CALL = ('<｜DSML｜ invoke name="f">\n'
+        '<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ parameter>\n'
         "</｜DSML｜ invoke>\n")
 
 
@@ -389,11 +399,13 @@ CALL = ('<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="tr
     (f"\n\n<｜DSML｜ calls>\n{CALL}</｜DSML｜ calls>junk{EOS}", "chat"),
     (f"\n\n<｜DSML｜ calls> \n{CALL}</｜DSML｜ calls>{EOS}", "chat"),
     (f"\n\n<｜DSML｜ calls>\n{CALL}", "chat"),                     # unterminated block
-    ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ '
-     'parameter>\n<｜DSML｜ parameter name="a" string="true">2</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
+    ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+     '<｜DSML｜ parameter name="a" string="true">1</｜DSML｜ parameter>\n'
+     '<｜DSML｜ parameter name="a" string="true">2</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
      f"</｜DSML｜ calls>{EOS}", "chat"),                          # duplicate parameter
-    ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="a" string="yes">1</｜DSML｜ '
-     f"parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>{EOS}", "chat"),
+    ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+     '<｜DSML｜ parameter name="a" string="yes">1</｜DSML｜ parameter>\n'
+     f"</｜DSML｜ invoke>\n</｜DSML｜ calls>{EOS}", "chat"),
     ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke nam="f">\n</｜DSML｜ invoke>\n'
      f"</｜DSML｜ calls>{EOS}", "chat"),
     (123, "chat"),
@@ -403,7 +415,7 @@ def test_parser_rejects(text, mode):
         parse_message_from_completion_text(text, mode)
 
 
-# ---- batch input (§10) -------------------------------------------------------------------------------------
+# ---- batch input (§10) ------------------------------------------------------------------------------------
 
 
 def test_parse_tagged_text():

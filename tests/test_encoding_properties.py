@@ -22,9 +22,9 @@ SETTINGS = settings(max_examples=300, derandomize=True, deadline=None,
 
 # Pieces that look like the format's own tags, so the generators hit the parser's corner cases.
 FRAGMENTS = ["<", ">", "/", "\n", "\n\n", '"', "=", " ", "｜", "▁", "DSML", DSML, "<think", "think>", "</",
-             "<tool_result>", "<｜User｜>", "<｜Assistant｜>", "<｜DSML", " calls>", " invoke", " parameter",
-             'name="', '" string="true">', 'string="false">', '">\n', "</｜DSML｜ invoke>", "</｜DSML｜ calls>",
-             "end▁of▁sentence", "🙂", "世界", "é", "{", "}", "\\", "\t"]
+             "<tool_result>", "<｜User｜>", "<｜Assistant｜>", "<｜DSML", " calls>", " invoke",
+             " parameter", 'name="', '" string="true">', 'string="false">', '">\n', "</｜DSML｜ invoke>",
+             "</｜DSML｜ calls>", "end▁of▁sentence", "🙂", "世界", "é", "{", "}", "\\", "\t"]
 SPECIAL = (BOS, EOS, THINK_START, THINK_END, DSML, IMAGE_PLACEHOLDER)
 
 
@@ -78,9 +78,9 @@ def test_render_parse_round_trip(mode, content, reasoning, calls):
     assert encode_messages([parsed], mode, context=context) == text
 
 
-GRAMMAR = FRAGMENTS + [EOS, BOS, THINK_END, THINK_START, "\n\n<｜DSML｜ calls>\n", '<｜DSML｜ invoke name="f">\n',
-                       '<｜DSML｜ parameter name="a" string="true">', "</｜DSML｜ parameter>\n",
-                       "</｜DSML｜ invoke>\n"]
+GRAMMAR = FRAGMENTS + [EOS, BOS, THINK_END, THINK_START, "\n\n<｜DSML｜ calls>\n",
+                       '<｜DSML｜ invoke name="f">\n', '<｜DSML｜ parameter name="a" string="true">',
+                       "</｜DSML｜ parameter>\n", "</｜DSML｜ invoke>\n"]
 grammar_text = st.lists(st.one_of(st.sampled_from(GRAMMAR), st.text(max_size=4)), max_size=20).map("".join)
 
 

@@ -85,7 +85,8 @@ def test_parse_completion_reappends_eos_and_falls_back_to_raw_text():
     assert problem is None and msg["content"] == "Hello." and msg["tool_calls"] == []
     msg, problem = generate.parse_completion("Let me think</think>Yes.", "eos", "thinking")
     assert problem is None and (msg["reasoning_content"], msg["content"]) == ("Let me think", "Yes.")
-    calls = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n<｜DSML｜ parameter name="x" string="true">1'
+    calls = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+             '<｜DSML｜ parameter name="x" string="true">1'
              '</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
     msg, problem = generate.parse_completion("ok" + calls, "eos", "chat")
     assert problem is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": "1"}'}
@@ -376,8 +377,9 @@ def test_images_are_expanded_and_generated_one_at_a_time(vision_tiny):
 # ---------------------------------------------------------------------------------------------------------
 
 def assert_close_to_reference(ours, ref, max_tol, mean_tol):
-    """Max and mean |Δ| within tolerance, and the same argmax wherever the reference's top-1/top-2 margin
-    exceeds twice our max |Δ| (numerics.md §15; fixture README §8.3: step 18 has a margin of only 0.015)."""
+    """Max and mean |Δ| within tolerance, and the same argmax wherever the reference's top-1/top-2
+    margin exceeds twice our max |Δ| (numerics.md §15; fixture README §8.3: step 18 has a margin of
+    only 0.015)."""
     d = (ours - ref).abs()
     assert d.max() <= max_tol and d.mean() <= mean_tol, (d.max(), d.mean())
     top2 = ref.topk(2, dim=-1).values

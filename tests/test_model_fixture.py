@@ -52,7 +52,8 @@ def test_layer_isolated(fx):
             streams = model.embed(ids).unsqueeze(2).repeat(1, 1, 4, 1)
             worst["engram"] = max(worst["engram"], rel(model.layers[0].engram(streams, hashes[:, :, 0]),
                                                        r("engram_out")[0]),
-                                  rel(model.layers[1].engram(r("block_out")[0], hashes[:, :, 1]), r("engram_out")[1]))
+                                  rel(model.layers[1].engram(r("block_out")[0], hashes[:, :, 1]),
+                                      r("engram_out")[1]))
             for layer in range(8):
                 x = r("engram_out")[layer] if layer < 2 else r("block_out")[layer - 1]
                 if layer == 0:
@@ -62,15 +63,18 @@ def test_layer_isolated(fx):
                     pre = r("block_pre_mix")[layer - 1]
                 out, pre_next = model.layers[layer](x, pos, pre)
                 worst["block_out"] = max(worst["block_out"], rel(out, r("block_out")[layer]))
-                worst["pre_mix"] = max(worst["pre_mix"], (pre_next - r("block_pre_mix")[layer]).abs().max().item())
+                worst["pre_mix"] = max(worst["pre_mix"],
+                                       (pre_next - r("block_pre_mix")[layer]).abs().max().item())
                 if layer in (1, 3, 5, 7):
                     assert torch.equal(model.ctx.shared.topk_idxs, r(f"indexer_idxs.layer{layer}")), \
                         f"step {k} layer {layer}: indexer selection"
                 if layer == 3:
-                    assert torch.equal(model.ctx.shared.candidates, r("candidates").bool()), f"step {k}: candidates"
+                    assert torch.equal(model.ctx.shared.candidates, r("candidates").bool()), \
+                        f"step {k}: candidates"
             normed = model.norm(hc_pre(r("block_out")[7], r("block_pre_mix")[7]))
             worst["final_norm"] = max(worst["final_norm"], rel(normed, r("final_norm")))
-            worst["logits"] = max(worst["logits"], (model.head(normed) - ref["step_logits"][k]).abs().max().item())
+            worst["logits"] = max(worst["logits"],
+                                  (model.head(normed) - ref["step_logits"][k]).abs().max().item())
             if k == 0:
                 all_logits = model.head(normed, all_positions=True)
                 assert (all_logits - ref["prefill_all_logits"]).abs().max().item() <= 1e-4

@@ -68,7 +68,8 @@ def test_config_errors():
 
 def test_layer_roles_released():
     model = Transformer(released(), device="meta", build_dspark=False)
-    roles = {i: (l.attn.compressor is not None, l.attn.indexer is not None) for i, l in enumerate(model.layers)}
+    roles = {i: (l.attn.compressor is not None, l.attn.indexer is not None)
+             for i, l in enumerate(model.layers)}
     assert [i for i, (c, _) in roles.items() if c] == [2, 8, 14, 20]
     assert [i for i, (_, x) in roles.items() if x] == [2, 8, 14, 20, 24, 28, 32, 36]
     assert model.layers[20].attn.indexer.is_candidate_source
@@ -131,4 +132,5 @@ def test_loader_aliases_and_widening(tmp_path, fixture_tensors):
     assert model.head.weight.dtype == torch.float32
     assert torch.equal(model.head.weight, fixture_tensors["head.weight"].float())
     w = model.layers[0].ffn.experts[0].w1.weight
-    assert torch.equal(w.view(torch.uint8), fixture_tensors["layers.0.ffn.experts.0.w1.weight"].view(torch.uint8))
+    assert torch.equal(w.view(torch.uint8),
+                       fixture_tensors["layers.0.ffn.experts.0.w1.weight"].view(torch.uint8))

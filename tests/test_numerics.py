@@ -8,7 +8,8 @@ from inference.attention import window_decode_idx, window_prefill_idx
 from inference.hyper import hc_split_sinkhorn
 from inference.indexer import select_candidate_blocks
 from inference.quant import (act_quant, block_scaled_gemm, ceil_pow2, dequant_fp4_weight, e2m1_round,
-                             float_to_ue8m0, fp4_qdq_e4m3_, fp4_qdq_e8m0_, fp8_qdq_, ue8m0_to_float, unpack_fp4)
+                             float_to_ue8m0, fp4_qdq_e4m3_, fp4_qdq_e8m0_, fp8_qdq_, ue8m0_to_float,
+                             unpack_fp4)
 from inference.rope import apply_rotary_, precompute_freqs_cis
 from inference.sparse_attn import sparse_attn
 
@@ -52,7 +53,8 @@ def test_e2m1_ties_to_even():
 
 
 @pytest.mark.parametrize("amax,expect", [
-    (5.0, {5.0: 4.0, 4.90625: 4.0, 3.296875: 3.0, 2.5: 2.0, 1.25: 1.0, 0.75: 1.0, -1.75: -2.0, 0.25: 0.0, 3.5: 4.0}),
+    (5.0, {5.0: 4.0, 4.90625: 4.0, 3.296875: 3.0, 2.5: 2.0, 1.25: 1.0, 0.75: 1.0, -1.75: -2.0, 0.25: 0.0,
+           3.5: 4.0}),
     (10.0, {10.0: 8.0, 4.90625: 4.0, 3.296875: 3.0, 2.5: 2.0, 1.25: 1.0, 0.75: 1.0, -1.75: -2.0, 0.25: 0.0,
             3.5: 4.0}),
 ])

@@ -1,4 +1,5 @@
-"""Tensor parallelism: the fixture resharded to 2 ranks, run under two gloo processes, matches the reference."""
+"""Tensor parallelism: the fixture resharded to 2 ranks, run under two gloo processes, matches the
+reference."""
 import os
 import re
 import socket
@@ -87,7 +88,8 @@ def test_tp2_matches_reference(tmp_path):
     for rank in range(WORLD):
         save_file(reshard(full, WORLD, rank), str(tmp_path / f"model{rank}-mp{WORLD}.safetensors"))
     result = str(tmp_path / "result.pt")
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), result), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), result), nprocs=WORLD,
+                       start_method="spawn")
     got = torch.load(result)
     ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
     d = (got["logits"] - ref["step_logits"]).abs()
@@ -95,7 +97,8 @@ def test_tp2_matches_reference(tmp_path):
     assert d.max() <= 0.35 and d.mean() <= 0.05
     flips = (got["logits"].argmax(-1) != ref["step_logits"].argmax(-1)).flatten().nonzero().flatten().tolist()
     top2 = ref["step_logits"].topk(2, dim=-1).values
-    print("argmax flips at steps", flips, "ref margins", [(top2[s, 0, 0] - top2[s, 0, 1]).item() for s in flips])
+    print("argmax flips at steps", flips, "ref margins",
+          [(top2[s, 0, 0] - top2[s, 0, 1]).item() for s in flips])
     # W = 2 reduces bf16 partials in a different order than the W = 1 reference (numerics §14), so the
     # argmax must agree wherever the reference margin exceeds twice the observed max |d| (numerics §15).
     margins = top2[:, 0, 0] - top2[:, 0, 1]
