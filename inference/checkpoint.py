@@ -78,3 +78,15 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
     for m in model.modules():
         if hasattr(m, "clear_cache"):
             m.clear_cache()
+
+
+def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
+    """Write a safetensors file under a temporary name and rename it: never a half-written output."""
+    from safetensors.torch import save_file
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -92,6 +92,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import save_atomically
+
 
 class ParityError(ValueError):
     pass
@@ -152,20 +154,9 @@ def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_p
     recorder = CaptureRecorder(model)
     out = score_fn(recorder, seqs, prefill_len, **score_kw)
     if model.ctx.par.rank == 0:
-        _save_atomically(recorder.tensors(), capture_path,
-                         dict(recorder.metadata(), prefill_len=str(prefill_len)))
+        save_atomically(recorder.tensors(), capture_path,
+                        dict(recorder.metadata(), prefill_len=str(prefill_len)))
     return out
-
-
-def _save_atomically(tensors: Dict[str, torch.Tensor], path: str, metadata: Dict[str, str]) -> None:
-    from safetensors.torch import save_file
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------
