@@ -3,7 +3,9 @@
     torchrun --nproc-per-node W generate.py --ckpt-path DIR --config config.json --interactive
     torchrun --nproc-per-node W generate.py --ckpt-path DIR --config config.json --input-file prompts.txt
     torchrun --nproc-per-node W generate.py --ckpt-path DIR --config config.json \\
-        --score S.json --dump-logits OUT.safetensors [--all-prefill-logits]
+        --score S.json --dump-logits OUT.safetensors [--all-prefill-logits] [--dspark]
+    add --speculative dspark [--spec-verify chunked|sequential] [--spec-k K] [--spec-min-confidence TAU]
+    to either generation mode for DSpark speculative decoding (one sequence at a time)
 
 Rank 0 reads every input and prints; the other ranks receive each prompt or command by broadcast, so all
 ranks make the same forward calls, and an error found on rank 0 alone is broadcast so that every rank exits.
@@ -25,10 +27,11 @@ from encoding import (IMAGE_PLACEHOLDER, EncodingError, ParseError, encode_case,
                       to_json)
 from encoding.encoding import EOS as EOS_TEXT, THINK_END
 from encoding.tokenizer import TokenizerError, image_token_spelling, load_tokenizer, read_special_ids
-from inference.checkpoint import CheckpointError, check_shards, load_checkpoint
+from inference.checkpoint import CheckpointError, check_shards, load_checkpoint, save_atomically
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engram import EngramError
 from inference.parallel import ParallelContext
+from inference.speculative import SpecStats, speculative_generate
 from inference.vision import VisionError, prepare_vl_inputs
 
 DEFAULT_SEED = 33377335
@@ -100,6 +103,7 @@ class Session:
     eos_id: int = 1
     stats: Stats = field(default_factory=Stats)
     out_file: Any = None                  # JSONL records (rank 0)
+    spec: Optional[SpecStats] = None      # --speculative dspark: accumulated over all prompts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,12 +310,34 @@ def finish_completion(sess: Session, prompt: Prompt, completion: List[int], reas
 
 
 def run_prompts(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], List[str]]:
+    if sess.opts.speculative == "dspark":
+        return run_speculative(sess, prompts)
     images = types = None
     if any(p.images for p in prompts):   # per row: its images and token types (TEXT = -1 for text rows)
         images = [p.images or [] for p in prompts]
         types = [p.token_types or [-1] * len(p.ids) for p in prompts]
     return generate(sess.model, [p.ids for p in prompts], sess.opts.max_new_tokens, sess.eos_id,
                     prompt_token_types=types, images=images, stats=sess.stats)
+
+
+def run_speculative(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], List[str]]:
+    """DSpark drafting + verification (modules §11.5), one prompt at a time."""
+    o = sess.opts
+    completions, reasons = [], []
+    for p in prompts:
+        tokens, st = speculative_generate(sess.model, p.ids, o.max_new_tokens, sess.eos_id, o.temperature,
+                                          o.spec_k, o.spec_verify or "chunked", o.spec_min_confidence,
+                                          token_types=p.token_types if p.images else None,
+                                          images=[p.images] if p.images else None)
+        sess.spec = sess.spec or SpecStats()
+        sess.spec.add(st)
+        sess.stats.prefill_tokens += st.prefill_tokens
+        sess.stats.prefill_s += st.prefill_s
+        sess.stats.decode_tokens += max(0, st.new_tokens - 1)     # the first token comes from the prefill
+        sess.stats.decode_s += st.decode_s
+        completions.append(tokens)
+        reasons.append(st.reason)
+    return completions, reasons
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,9 +466,13 @@ def read_score_file(path: str, vocab_size: int) -> Tuple[List[List[int]], int]:
 
 @torch.inference_mode()
 def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bool = False,
-          stats: Optional[Stats] = None) -> Dict[str, torch.Tensor]:
+          stats: Optional[Stats] = None, dspark: bool = False) -> Dict[str, torch.Tensor]:
     """Teacher-forced logits along the official generate loop: forward 0 runs [0, P), forward k the single
-    position P+k-1. logits[k, b] is NaN once row b has no token at that position."""
+    position P+k-1. logits[k, b] is NaN once row b has no token at that position.
+
+    dspark: after every forward, DSpark's forward_spec with the next teacher token (the forward's own sampled
+    token where the row has none) and that forward's main_hidden, at its start_pos (fixture README §5):
+    forward 0 seeds the rings; forward k gives dspark_*[k-1] (NaN / -1 where logits[k, b] is NaN)."""
     stats = stats if stats is not None else Stats()
     device = next(model.parameters()).device
     bsz, lens = len(seqs), [len(s) for s in seqs]
@@ -458,32 +488,44 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
     fed = fed.to(device)
     valid = torch.tensor([[p < n for n in lens] for p in range(prefill_len - 1, total)])   # [steps, B]
 
-    _, logits = _timed(stats, "prefill", bsz * prefill_len, device, prefill, model, fed[:, :prefill_len],
-                       all_logits=all_prefill_logits)
+    lens_t = torch.tensor(lens, device=device)
+    drafts = []
+
+    def draft(next_ids: torch.Tensor, hidden: torch.Tensor, pos: int, start_pos: int) -> None:
+        if not dspark:
+            return
+        nxt = fed[:, min(pos + 1, total - 1)]
+        nxt = torch.where(pos + 1 < lens_t, nxt, next_ids)
+        res = model.mtp.forward_spec(nxt, hidden, start_pos)
+        if res is not None:
+            drafts.append([t.cpu() for t in res])
+
+    next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, model,
+                                      fed[:, :prefill_len], 0, all_logits=all_prefill_logits)
     out = {}
     if all_prefill_logits:
         out["prefill_logits"] = logits.float().cpu().contiguous()
         logits = logits[:, -1]
+    draft(next_ids, hidden, prefill_len - 1, 0)
     steps = [logits.float().cpu()]
     for pos in range(prefill_len, total):
-        _, logits = _timed(stats, "decode", bsz, device, decode_step, model, fed[:, pos:pos + 1], pos)
+        next_ids, logits, hidden = _timed(stats, "decode", bsz, device, model, fed[:, pos:pos + 1], pos)
         steps.append(logits.float().cpu())
+        draft(next_ids, hidden, pos, pos)
     step_logits = torch.stack(steps)                                    # [L - P + 1, B, V]
     step_logits[~valid] = float("nan")
     out["logits"] = step_logits.contiguous()
     out["input_ids"] = ids
+    if dspark and drafts:
+        gone = ~valid[1:]                                               # [L - P, B]
+        draft_ids, draft_logits, confidence = (torch.stack(t) for t in zip(*drafts))
+        draft_ids[gone] = -1
+        draft_logits[gone] = float("nan")
+        confidence[gone] = float("nan")
+        out["dspark_draft_ids"] = draft_ids.contiguous()                # [L - P, B, blk + 1]
+        out["dspark_logits"] = draft_logits.float().contiguous()        # [L - P, B, blk, V]
+        out["dspark_confidence"] = confidence.float().contiguous()      # [L - P, B, blk]
     return out
-
-
-def save_atomically(tensors: Dict[str, torch.Tensor], path: str, metadata: Dict[str, str]) -> None:
-    from safetensors.torch import save_file
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -519,8 +561,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="longest prompt + completion (default: the config's, else 4096; interactive 65536)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"RNG seed, the same on every rank (default {DEFAULT_SEED})")
-    p.add_argument("--numerics", choices=["reference", "fixed"], default="reference",
-                   help="reference = the official numerics, defects included; fixed = --fix-index-k")
+    p.add_argument("--numerics", choices=["reference", "fixed", "golden"], default="reference",
+                   help="reference = the official numerics, defects included; fixed = --fix-index-k; "
+                        "golden = fp32 weights and activations, no fake quantization (a baseline)")
+    p.add_argument("--language-model-only", action="store_true",
+                   help="do not build the vision tower (saves memory; prompts with images are an error)")
+    p.add_argument("--capture-blocks", default=None, metavar="FILE",
+                   help="scoring mode: also save every block's output streams, Engram hashes and index "
+                        "selections per forward (safetensors, rank 0) for inference.parity compare-blocks")
     p.add_argument("--fix-index-k", action="store_true",
                    help="fix the stale index-key cache defect (fix_index_k_publish)")
     p.add_argument("--deterministic-topk", action="store_true",
@@ -542,6 +590,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "sequence's end), input_ids [B, L] (-1 = padding)")
     p.add_argument("--all-prefill-logits", action="store_true",
                    help="scoring mode: also write prefill_logits [B, P, V] (every prefill position)")
+    p.add_argument("--dspark", action="store_true",
+                   help="scoring mode: after every forward, run the DSpark draft head on the next teacher "
+                        "token and write dspark_draft_ids [L-P, B, blk+1], dspark_logits [L-P, B, blk, V], "
+                        "dspark_confidence [L-P, B, blk] (drafts are sampled at --temperature: 0 = argmax)")
+    p.add_argument("--speculative", choices=["none", "dspark"], default="none",
+                   help="dspark: speculative decoding with the DSpark draft head, one sequence at a time "
+                        "(default none)")
+    p.add_argument("--spec-verify", choices=["chunked", "sequential"], default=None,
+                   help="how the main model verifies the drafts: chunked = one extend call, then roll back "
+                        "the rejected positions (default); sequential = one decode step per token, stopping "
+                        "at the first rejection (bit-exact to plain decoding)")
+    p.add_argument("--spec-k", type=int, default=None,
+                   help="drafts verified per step, 1..dspark_block_size (default: the block size, 5)")
+    p.add_argument("--spec-min-confidence", type=float, default=None,
+                   help="verify only the leading drafts whose sigmoid(confidence) >= this value "
+                        "(default: off)")
     return p.parse_args(argv)
 
 
@@ -556,6 +620,21 @@ def check_options(o: argparse.Namespace) -> None:
         raise CLIError("Either input-file or interactive mode must be specified")
     if o.all_prefill_logits and not o.score:
         raise CLIError("--all-prefill-logits needs --score")
+    if o.dspark and not o.score:
+        raise CLIError("--dspark needs --score (for speculative generation use --speculative dspark)")
+    if o.speculative != "none" and o.score:
+        raise CLIError("--speculative is for generation; scoring mode runs the draft head with --dspark")
+    spec_flags = [f for f, v in (("--spec-verify", o.spec_verify), ("--spec-k", o.spec_k),
+                                 ("--spec-min-confidence", o.spec_min_confidence)) if v is not None]
+    if spec_flags and o.speculative == "none":
+        raise CLIError(f"{', '.join(spec_flags)} need(s) --speculative dspark")
+    if o.spec_k is not None and o.spec_k < 1:
+        raise CLIError(f"--spec-k must be >= 1, got {o.spec_k}")
+    if o.spec_min_confidence is not None and not 0 <= o.spec_min_confidence <= 1:
+        raise CLIError(f"--spec-min-confidence must be in [0, 1], got {o.spec_min_confidence}")
+    if o.speculative != "none" and o.max_batch_size is not None and o.max_batch_size != 1:
+        raise CLIError(f"--speculative dspark decodes one sequence at a time (batch size 1): drop "
+                       f"--max-batch-size {o.max_batch_size} or set it to 1")
     if o.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
     if o.temperature < 0:
@@ -587,8 +666,17 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
         overrides["max_batch_size"] = o.max_batch_size
     if o.max_seq_len is not None:
         overrides["max_seq_len"] = o.max_seq_len
+    if o.speculative != "none":
+        overrides["max_batch_size"] = 1
     margs = ModelArgs.from_file(o.config, **overrides)
     margs.check_world_size(world_size)
+    if (o.speculative != "none" or o.dspark) and not (margs.dspark_block_size > 0 and margs.n_mtp_layers > 0):
+        raise CLIError(f"{'--dspark' if o.dspark else '--speculative dspark'} needs the DSpark draft head, "
+                       f"but this config has none (dspark_block_size = {margs.dspark_block_size}, "
+                       f"n_mtp_layers = {margs.n_mtp_layers})")
+    if o.spec_k is not None and o.spec_k > margs.dspark_block_size:
+        raise CLIError(f"--spec-k {o.spec_k} exceeds the draft block size (dspark_block_size = "
+                       f"{margs.dspark_block_size})")
     if margs.o_groups % world_size:
         raise CLIError(f"world size {world_size} must divide o_groups = {margs.o_groups} (W in 1, 2, 4, 8)")
     return margs
@@ -599,7 +687,7 @@ def build_model(o: argparse.Namespace, margs: ModelArgs, par: ParallelContext, t
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk)
     opts.fix_index_k_publish = opts.fix_index_k_publish or o.fix_index_k
     log.info("build model")
-    model = Transformer(margs, par, opts, o.device, tokenizer)
+    model = Transformer(margs, par, opts, o.device, tokenizer, language_model_only=o.language_model_only)
     log.info("load model")
     load_checkpoint(model, o.ckpt_path, par.rank, par.world_size)
     model.eval()
@@ -631,6 +719,8 @@ def read_inputs(sess: Session):
             raise CLIError(f"{len(seqs)} sequences exceed --max-batch-size {margs.max_batch_size}")
         check_prompt_lengths([len(s) for s in seqs], margs.max_seq_len)
         from_rank0(par, lambda: _check_writable(o.dump_logits))
+        if o.capture_blocks:
+            from_rank0(par, lambda: _check_writable(o.capture_blocks))
         work = (seqs, prefill_len)
     elif not o.interactive:
         work = from_rank0(par, lambda: read_batch_prompts(o.input_file, sess.tokenizer, margs,
@@ -646,7 +736,13 @@ def read_inputs(sess: Session):
 
 def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int) -> None:
     o = sess.opts
-    out = score(sess.model, seqs, prefill_len, o.all_prefill_logits, sess.stats)
+    if o.capture_blocks:
+        from inference.parity import score_with_capture
+        out = score_with_capture(sess.model, seqs, prefill_len, o.capture_blocks, score_fn=score,
+                                 all_prefill_logits=o.all_prefill_logits, stats=sess.stats, dspark=o.dspark)
+        sess.log.info(f"wrote {o.capture_blocks}")
+    else:
+        out = score(sess.model, seqs, prefill_len, o.all_prefill_logits, sess.stats, dspark=o.dspark)
     if sess.par.rank == 0:
         save_atomically(out, o.dump_logits, {"prefill_len": str(prefill_len),
                                              "world_size": str(sess.par.world_size), "numerics": o.numerics})
@@ -680,6 +776,8 @@ def run(o: argparse.Namespace, log: RankLogger) -> None:
     if sess.out_file is not None:
         sess.out_file.close()
     log.info(f"{sess.stats.summary()}; total {time.perf_counter() - start:.2f} s")
+    if sess.spec is not None:
+        log.info(sess.spec.summary(o.spec_verify or "chunked", o.spec_k or margs.dspark_block_size))
 
 
 def _check_writable(path: str) -> None:
