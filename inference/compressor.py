@@ -33,7 +33,11 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.norm(self.wkv(x))                            # [B, S, hd]
         xf = x.float()
-        kv, score = self.wkv(xf), self.wgate(xf)                     # [B, S, hd] fp32
+        if start_pos > 0 and s > 1:                                  # extend: a decode step's GEMM shape
+            kv = torch.cat([self.wkv(xf[:, i:i + 1]) for i in range(s)], dim=1)
+            score = torch.cat([self.wgate(xf[:, i:i + 1]) for i in range(s)], dim=1)
+        else:
+            kv, score = self.wkv(xf), self.wgate(xf)                 # [B, S, hd] fp32
         if start_pos == 0:
             n = s // 2
             if s % 2:

@@ -46,9 +46,10 @@ class Block(nn.Module):
 
     def mixes(self, x: torch.Tensor, site: str):
         a = self.ctx.args
-        return hc_mixes(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                        getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
-                        a.norm_eps)
+        fn = lambda u: hc_mixes(u, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                                getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                                a.norm_eps)
+        return self.ctx.per_position(fn, x)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
                 image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
@@ -185,10 +186,12 @@ class Transformer(nn.Module):
         pre[..., 0] = 1                                                              # one-hot on stream 0
         main_hiddens = []
         self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
+        self.ctx.decode_shapes = start_pos > 0 and s > 1       # extend: per-token parts in decode shapes
         self.ctx.shared.candidates = None   # written and read within a call; None = not computed in this one
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
-                x = layer.engram(x, hashes[:, :, a.engram_layer_ids.index(i)], engram_mask)
+                rows = hashes[:, :, a.engram_layer_ids.index(i)]
+                x = self.ctx.per_position(layer.engram, x, rows, engram_mask)
                 if capture is not None:
                     capture.setdefault("engram_out", []).append(x)
             if i in a.dspark_target_layer_ids:
@@ -201,6 +204,7 @@ class Transformer(nn.Module):
                     capture[f"indexer_idxs.layer{i}"] = [self.ctx.shared.topk_idxs]
                 if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
                     capture["candidates"] = [self.ctx.shared.candidates]
+        self.ctx.decode_shapes = False
         x = self.norm(hc_pre(x, pre))
         if capture is not None:
             capture["final_norm"] = [x]

@@ -84,7 +84,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.view(-1, shape[-1])                                    # [N, D]
         mask = image_mask.reshape(-1) if image_mask is not None else None
-        weights, idx = self.gate(x, mask)
+        weights, idx = self.ctx.per_position(self.gate, x, mask, dim=0)
         y = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts).tolist()
         for e in range(self.start, self.start + self.n_local):       # increasing global index

@@ -36,6 +36,10 @@ class ModelContext:
     window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
+    # True during a backbone extend call (speculative verification): per-token computations whose rounding
+    # depends on the tensor's size (fp32 GEMMs; transcendental ops on a few elements, vectorized or not)
+    # then run one position at a time, as a decode step runs them, so verification equals decoding exactly.
+    decode_shapes: bool = False
 
     def __post_init__(self):
         a = self.args
@@ -51,6 +55,18 @@ class ModelContext:
     def act_dtype(self) -> torch.dtype:
         """Activations and caches: bf16 as in the official code, fp32 in golden numerics."""
         return torch.float32 if self.opts.golden else torch.bfloat16
+
+    def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
+        """fn(x, *args), in an extend call evaluated one position (index along `dim`) at a time; tensor args
+        are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
+        speculative loop's): the gate's token axis is then the position axis."""
+        if not self.decode_shapes or x.shape[dim] == 1:
+            return fn(x, *args)
+        outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
+                for i in range(x.shape[dim])]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(t, dim=dim) for t in zip(*outs))
+        return torch.cat(outs, dim=dim)
 
     def freqs_for(self, layer_id: int) -> torch.Tensor:
         ratio = self.args.compress_ratios[layer_id]
