@@ -21,3 +21,11 @@ def need_shared(path: str) -> str:
     if not os.path.exists(path):
         pytest.skip(f"../shared is absent: {path} not found (CI places shared/ beside the checkout)")
     return path
+
+
+def free_port() -> int:
+    """A free localhost TCP port for a gloo rendezvous in a test."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

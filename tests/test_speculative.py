@@ -4,7 +4,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, free_port, need_shared
 
 import generate
 from inference.speculative import greedy_accept, sampled_accept, speculative_generate
@@ -288,11 +287,6 @@ def test_sampled_runs_are_reproducible(mp1, ckpt):
 # MP 2: two gloo processes run the same suite; every rank must decide alike
 # ---------------------------------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank, port, ckpt, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -308,7 +302,7 @@ def _worker(rank, port, ckpt, out_dir):
 
 def test_mp2_same_decisions_on_every_rank_and_exactness(ckpt, tmp_path):
     args = {k: ckpt[k] for k in ("config", "dirs", "prompt")}
-    mp.start_processes(_worker, args=(_free_port(), args, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), args, str(tmp_path)), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
     assert r0 == r1                                # tokens, decisions and statistics, greedy and sampled
     assert len(r0["plain"]) == NEW

@@ -2,14 +2,13 @@
 reference."""
 import os
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FIXTURE, need_shared
+from conftest import FIXTURE, free_port, need_shared
 
 WORLD = 2
 
@@ -45,11 +44,6 @@ def reshard(tensors: dict, world: int, rank: int) -> dict:
             out[name] = t
     return out
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, port, ckpt, result_path):
@@ -88,7 +82,7 @@ def test_tp2_matches_reference(tmp_path):
     for rank in range(WORLD):
         save_file(reshard(full, WORLD, rank), str(tmp_path / f"model{rank}-mp{WORLD}.safetensors"))
     result = str(tmp_path / "result.pt")
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path), result), nprocs=WORLD,
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path), result), nprocs=WORLD,
                        start_method="spawn")
     got = torch.load(result)
     ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
