@@ -31,7 +31,7 @@ from inference.checkpoint import CheckpointError, check_shards, load_checkpoint,
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engram import EngramError
 from inference.parallel import ParallelContext
-from inference.speculative import SpecStats, speculative_generate
+from inference.speculative import SpecStats, speculative_generate_batch
 from inference.vision import VisionError, prepare_vl_inputs
 
 DEFAULT_SEED = 33377335
@@ -321,22 +321,24 @@ def run_prompts(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], 
 
 
 def run_speculative(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], List[str]]:
-    """DSpark drafting + verification (modules §11.5), one prompt at a time."""
+    """DSpark drafting + verification (modules §11.5) for one batch of prompts."""
     o = sess.opts
-    completions, reasons = [], []
-    for p in prompts:
-        tokens, st = speculative_generate(sess.model, p.ids, o.max_new_tokens, sess.eos_id, o.temperature,
-                                          o.spec_k, o.spec_verify or "chunked", o.spec_min_confidence,
-                                          token_types=p.token_types if p.images else None,
-                                          images=[p.images] if p.images else None)
-        sess.spec = sess.spec or SpecStats()
-        sess.spec.add(st)
-        sess.stats.prefill_tokens += st.prefill_tokens
-        sess.stats.prefill_s += st.prefill_s
-        sess.stats.decode_tokens += max(0, st.new_tokens - 1)     # the first token comes from the prefill
-        sess.stats.decode_s += st.decode_s
-        completions.append(tokens)
-        reasons.append(st.reason)
+    images = types = None
+    if any(p.images for p in prompts):
+        images = [p.images or [] for p in prompts]
+        types = [p.token_types or [-1] * len(p.ids) for p in prompts]
+    try:
+        completions, reasons, st = speculative_generate_batch(
+            sess.model, [p.ids for p in prompts], o.max_new_tokens, sess.eos_id, o.temperature, o.spec_k,
+            o.spec_verify or "chunked", o.spec_min_confidence, token_types=types, images=images)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    sess.spec = sess.spec or SpecStats()
+    sess.spec.add(st)
+    sess.stats.prefill_tokens += st.prefill_tokens
+    sess.stats.prefill_s += st.prefill_s
+    sess.stats.decode_tokens += max(0, st.new_tokens - len(prompts))   # first tokens come from the prefill
+    sess.stats.decode_s += st.decode_s
     return completions, reasons
 
 
@@ -595,8 +597,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "token and write dspark_draft_ids [L-P, B, blk+1], dspark_logits [L-P, B, blk, V], "
                         "dspark_confidence [L-P, B, blk] (drafts are sampled at --temperature: 0 = argmax)")
     p.add_argument("--speculative", choices=["none", "dspark"], default="none",
-                   help="dspark: speculative decoding with the DSpark draft head, one sequence at a time "
-                        "(default none)")
+                   help="dspark: speculative decoding with the DSpark draft head; the rows of a batch "
+                        "advance together by the shortest accepted block (default none)")
     p.add_argument("--spec-verify", choices=["chunked", "sequential"], default=None,
                    help="how the main model verifies the drafts: chunked = one extend call, then roll back "
                         "the rejected positions (default); sequential = one decode step per token, stopping "
@@ -632,9 +634,6 @@ def check_options(o: argparse.Namespace) -> None:
         raise CLIError(f"--spec-k must be >= 1, got {o.spec_k}")
     if o.spec_min_confidence is not None and not 0 <= o.spec_min_confidence <= 1:
         raise CLIError(f"--spec-min-confidence must be in [0, 1], got {o.spec_min_confidence}")
-    if o.speculative != "none" and o.max_batch_size is not None and o.max_batch_size != 1:
-        raise CLIError(f"--speculative dspark decodes one sequence at a time (batch size 1): drop "
-                       f"--max-batch-size {o.max_batch_size} or set it to 1")
     if o.max_new_tokens < 1:
         raise CLIError(f"--max-new-tokens must be >= 1, got {o.max_new_tokens}")
     if o.temperature < 0:
@@ -666,8 +665,6 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
         overrides["max_batch_size"] = o.max_batch_size
     if o.max_seq_len is not None:
         overrides["max_seq_len"] = o.max_seq_len
-    if o.speculative != "none":
-        overrides["max_batch_size"] = 1
     margs = ModelArgs.from_file(o.config, **overrides)
     margs.check_world_size(world_size)
     if (o.speculative != "none" or o.dspark) and not (margs.dspark_block_size > 0 and margs.n_mtp_layers > 0):

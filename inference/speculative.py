@@ -1,10 +1,19 @@
-"""Speculative decoding with the DSpark draft head (spec modules §11.5), batch size 1.
+"""Speculative decoding with the DSpark draft head (spec modules §11.5), for a batch of prompts.
 
 Each step drafts a block with `model.mtp.forward_spec`, lets the main model verify the first k drafts, keeps
 the longest valid prefix plus one token of the main model's own, and forgets what the rejected drafts
-wrote (`model.rollback`). Greedy: a draft is valid if it is the main model's argmax, so the output is plain
-greedy decoding's. Sampling: standard speculative rejection sampling, so the output is distributed as plain
-sampling (but is not the same random draw as the Gumbel-max decoder).
+wrote (`model.rollback`).
+
+A batch shares one position (the model takes one start_pos), so its rows advance together: each step
+commits m + 1 tokens per row, m = the fewest drafts any unfinished row accepted. A row that accepted more
+keeps its first m + 1 accepted drafts and drafts the rest again. That stays exact: for greedy the kept
+tokens are argmaxes; for sampling, the row's own accepted tokens form a correctly distributed sequence, and
+cutting it at the other row's accepted length, which is independent of it, leaves a correctly distributed
+prefix (tests/test_speculative.py checks this on a toy model).
+
+Greedy: a draft is valid if it is the main model's argmax, so the output is plain greedy decoding's.
+Sampling: standard speculative rejection sampling, so the output is distributed as plain sampling (but is
+not the same random draw as the Gumbel-max decoder).
 
 Every rank runs this loop on identical all-gathered logits and draws from the same seeded RNG in the same
 order, so every rank takes the same decisions without communicating (numerics §13).
@@ -94,22 +103,26 @@ class Judge:
 
 @dataclass
 class SpecStats:
-    steps: int = 0            # draft + verify steps
+    """Per-sequence counts: a batch step over 2 unfinished rows counts 2 row-steps."""
+    steps: int = 0            # draft + verify row-steps
     drafted: int = 0          # drafts verified
-    accepted: int = 0         # drafts accepted
-    step_tokens: int = 0      # tokens committed by the steps (accepted drafts + 1 each)
-    step_forwards: int = 0    # main-model forwards spent verifying
-    plain_steps: int = 0      # ordinary decode steps (prompt of one token; the end near max_seq_len)
+    accepted: int = 0         # drafts committed
+    discarded: int = 0        # drafts accepted by the rule but dropped because another row accepted fewer
+    step_tokens: int = 0      # tokens committed by the steps (committed drafts + 1 each)
+    step_forwards: int = 0    # main-model forwards spent verifying, times the rows they advanced
+    plain_steps: int = 0      # ordinary decode steps (prompt of one token; rows inside their prompt; the end)
     prefill_tokens: int = 0
     new_tokens: int = 0       # completion tokens, EOS included
     prefill_s: float = 0.0
     decode_s: float = 0.0
     reason: str = "length"    # of the last sequence: "eos" or "length"
-    decisions: List[Tuple[int, int]] = field(default_factory=list)   # (accepted, next token) per step
+    # Per step, per row: (drafts accepted by the rule, the token that follows them); (-1, -1) for a row
+    # that was finished, or (sequential verification) was still accepting when another row stopped.
+    decisions: List[Tuple[Tuple[int, int], ...]] = field(default_factory=list)
 
     def add(self, other: "SpecStats") -> None:
-        for name in ("steps", "drafted", "accepted", "step_tokens", "step_forwards", "plain_steps",
-                     "prefill_tokens", "new_tokens", "prefill_s", "decode_s"):
+        for name in ("steps", "drafted", "accepted", "discarded", "step_tokens", "step_forwards",
+                     "plain_steps", "prefill_tokens", "new_tokens", "prefill_s", "decode_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.decisions += other.decisions
         self.reason = other.reason
@@ -120,15 +133,18 @@ class SpecStats:
 
     @property
     def tokens_per_forward(self) -> float:
+        """Tokens a main-model forward adds to each sequence (1 for plain decoding)."""
         return self.step_tokens / self.step_forwards if self.step_forwards else 0.0
 
     def summary(self, verify: str, k: int) -> str:
         rate = f" ({self.accepted / self.drafted:.1%} of drafts)" if self.drafted else ""
+        lost = (f"; {self.discarded} accepted drafts re-drafted to keep the batch rows in step"
+                if self.discarded else "")
         return (f"speculative (dspark, {verify} verification, k={k}): {self.steps} steps, "
                 f"mean accepted length {self.mean_accepted:.2f}{rate}, "
-                f"{self.tokens_per_forward:.2f} tokens per main-model forward "
+                f"{self.tokens_per_forward:.2f} tokens per main-model forward per sequence "
                 f"({self.step_tokens} tokens / {self.step_forwards} forwards; "
-                f"{self.plain_steps} plain decode steps)")
+                f"{self.plain_steps} plain decode steps{lost})")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -140,22 +156,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# draft_hook(position of the first draft, drafts [B, k]) -> drafts [B, k]
 DraftHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 @torch.inference_mode()
-def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_id: int,
-                         temperature: Optional[float] = None, k: Optional[int] = None,
-                         verify: str = "chunked",
-                         min_confidence: Optional[float] = None, draft_hook: Optional[DraftHook] = None,
-                         token_types: Optional[List[int]] = None, images=None) -> Tuple[List[int], SpecStats]:
-    """One prompt -> (completion ids, EOS excluded, at most max_new_tokens; statistics).
+def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: int, eos_id: int,
+                               temperature: Optional[float] = None, k: Optional[int] = None,
+                               verify: str = "chunked", min_confidence: Optional[float] = None,
+                               draft_hook: Optional[DraftHook] = None,
+                               token_types: Optional[List[List[int]]] = None,
+                               images=None) -> Tuple[List[List[int]], List[str], SpecStats]:
+    """Prompts -> (completion ids per prompt, EOS excluded, at most max_new_tokens; finish reasons "eos" /
+    "length"; statistics). The buffer and the prompt handling are generate.generate()'s: prompts
+    right-padded, prefill up to the shortest, rows inside their prompt teacher-forced (by plain decode steps:
+    speculation starts once every row is past its prompt).
 
     temperature: None = model.args.temperature (the drafts and the main model sample at args.temperature,
     so another value is written there). k: drafts verified per step, 1..dspark_block_size (default: all).
-    draft_hook(position of the first draft, drafts [k]) -> drafts [k]: a test hook replacing the drafts;
-    when sampling, its drafts count as deterministic proposals (q = one-hot), which keeps the rule exact.
-    token_types [S], images (one list per batch row): as the model's prefill takes them."""
+    draft_hook(position of the first draft, drafts [B, k]) -> drafts [B, k]: a test hook replacing the
+    drafts; when sampling, its drafts count as deterministic proposals (q = one-hot), which keeps the rule
+    exact. token_types (per prompt, TEXT = -1) and images (one list per prompt): as generate() takes them."""
     a = model.args
     if model.mtp is None:
         raise ValueError("speculative decoding needs the DSpark head "
@@ -171,95 +192,149 @@ def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_
     judge = Judge(a.temperature)
     stats = SpecStats()
     device = next(model.parameters()).device
-    n_prompt, max_len = len(prompt_ids), a.max_seq_len
-    if n_prompt > max_len:
-        raise ValueError(f"Prompt length exceeds model maximum sequence length (max_seq_len={max_len})")
-    if n_prompt == max_len:                      # no room for a token (the official loop makes no call)
-        return [], stats
+    bsz, lens, max_len = len(prompts), [len(p) for p in prompts], a.max_seq_len
+    for i, n in enumerate(lens):
+        if n > max_len:
+            raise ValueError(f"Prompt length exceeds model maximum sequence length (max_seq_len={max_len}): "
+                             f"prompt {i + 1} has {n} tokens")
+    total_len = min(max_len, max_new_tokens + max(lens))
+    shortest, longest = min(lens), max(lens)
+    if shortest == total_len:                    # no room for a token (the official loop makes no call)
+        return [[] for _ in prompts], ["length"] * bsz, stats
 
-    def forward(ids: List[int], pos: int, all_logits: bool = False):
-        t = torch.tensor([ids], dtype=torch.long, device=device)
-        return model(t, pos, all_logits=all_logits)
+    tokens = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    types = None
+    if token_types is not None:
+        types = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
+        for b, t in enumerate(token_types):
+            types[b, :len(t)] = torch.tensor(t, dtype=torch.long)
+        if (types[:, shortest:] >= 0).any():
+            raise ValueError("image spans must fit in the prefill chunk (the shortest prompt of the batch)")
+    in_prompt = tokens != -1
+    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+
+    def commit(pos: int, ids: torch.Tensor) -> None:
+        """Write the chosen ids [B] at position pos (prompt tokens win) and note who emitted EOS."""
+        ids = torch.where(in_prompt[:, pos], tokens[:, pos], ids)
+        tokens[:, pos] = ids
+        finished.logical_or_(~in_prompt[:, pos] & (ids == eos_id))
 
     start = time.perf_counter()
-    types = None if token_types is None else torch.tensor([token_types], dtype=torch.long, device=device)
-    x, _, hidden = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), 0,
-                         images=images, token_types=types)
+    x, _, hidden = model(tokens[:, :shortest], 0, images=images,
+                         token_types=None if types is None else types[:, :shortest])
     model.mtp.forward_spec(x, hidden, 0)         # seeds the DSpark rings with positions 0..S-1
+    commit(shortest, x)
     _sync(device)
-    stats.prefill_s, stats.prefill_tokens = time.perf_counter() - start, n_prompt
+    stats.prefill_s, stats.prefill_tokens = time.perf_counter() - start, bsz * shortest
     start = time.perf_counter()
 
-    out = [int(x)]                               # emitted tokens; out[-1] is x, at position c + 1
-    c = n_prompt - 1                             # last position the main model has processed
+    c = shortest - 1                             # last position the main model has processed
     # main_hidden rows not yet given to DSpark, from position p0 to c. Row S-1 is given again (it rewrites
     # its ring slot with the same value), because start_pos 0 means "seed only".
-    pending, p0 = (hidden[:, -1:], c) if n_prompt > 1 else (None, None)
+    pending, p0 = (hidden[:, -1:], c) if shortest > 1 else (None, None)
 
-    def done() -> bool:
-        return len(out) >= max_new_tokens or eos_id in out[-k - 1:] or c + 2 >= max_len
-
-    while not done():
-        # Drafts to verify: no more than the budget can use; positions c+1..c+1+k and the next draft block
-        # (c'+1..c'+blk, c' <= c+1+k) must stay below max_seq_len.
-        kk = min(k, max_new_tokens - len(out) - 1, max_len - 2 - blk - c)
-        if pending is None or kk < 1:            # plain decode step
-            y, _, h = forward([out[-1]], c + 1)
+    while c + 2 < total_len and not bool(finished.all()):
+        # Drafts to verify: positions c+2..c+1+kk must fit in the buffer, and positions c+1..c+1+kk and the
+        # next draft block (c'+1..c'+blk, c' <= c+1+kk) below max_seq_len.
+        kk = min(k, total_len - 3 - c, max_len - 2 - blk - c)
+        if pending is None or kk < 1 or c + 2 < longest:       # plain decode step
+            y, _, h = model(tokens[:, c + 1:c + 2], c + 1)
             stats.plain_steps += 1
-            if pending is None:
-                pending, p0 = h, c + 1
-            else:
-                pending = torch.cat([pending, h], dim=1)
+            pending, p0 = (h, c + 1) if pending is None else (torch.cat([pending, h], dim=1), p0)
             c += 1
-            out.append(int(y))
+            commit(c + 1, y)
             continue
 
-        ids, dlogits, conf = model.mtp.forward_spec(torch.tensor([out[-1]], device=device), pending, p0)
-        drafts = ids[0, 1:1 + kk]
+        ids, dlogits, conf = model.mtp.forward_spec(tokens[:, c + 1], pending, p0)
+        drafts = ids[:, 1:1 + kk]                                               # [B, kk]
+        n_row = [kk] * bsz                       # drafts verified per row
         if min_confidence is not None:          # verify only the leading confident drafts
-            sure = (torch.sigmoid(conf[0, :kk]) >= min_confidence).long().cumprod(0)
-            drafts = drafts[:int(sure.sum())]
-        q = probs(dlogits[0, :len(drafts)], a.temperature) if a.temperature > 0 else None
+            sure = (torch.sigmoid(conf[:, :kk]) >= min_confidence).long().cumprod(1).sum(1)   # [B]
+            n_row = sure.tolist()
+        q = probs(dlogits[:, :kk], a.temperature) if a.temperature > 0 else None           # [B, kk, V]
         if draft_hook is not None:
             drafts = draft_hook(c + 2, drafts.clone()).to(device)
             if q is not None:
                 q = torch.nn.functional.one_hot(drafts, q.shape[-1]).float()
-        n = len(drafts)
-        chain = [out[-1]] + drafts.tolist()      # positions c+1 .. c+1+n
+        live = [b for b in range(bsz) if not finished[b]]
+        n = max(n_row[b] for b in live)
+        drafts = drafts[:, :n]
+        chain = torch.cat([tokens[:, c + 1:c + 2], drafts], dim=1)             # [B, n+1], positions c+1..
+        verdict = {}                             # row -> (accepted a_b, the token after them y_b)
 
         if verify == "chunked":                 # one extend call, then forget the rejected rows
-            _, logits, h = forward(chain, c + 1, all_logits=True)
-            acc, y = judge.block(logits[0], drafts, q)
-            model.rollback(c + 1 + acc)
+            _, logits, h = model(chain, c + 1, all_logits=True)                 # [B, n+1, V]
+            for b in live:
+                nb = n_row[b]
+                verdict[b] = judge.block(logits[b, :nb + 1], drafts[b, :nb], None if q is None else q[b, :nb])
+            m = min(acc for acc, _ in verdict.values())
+            model.rollback(c + 1 + m)
             forwards = 1
         else:                                   # one decode step per token, stop at the first rejection
             rows = []
             for i in range(n + 1):
-                _, logits, h_i = forward([chain[i]], c + 1 + i)
+                _, logits, h_i = model(chain[:, i:i + 1], c + 1 + i)          # [B, V]
                 rows.append(h_i)
-                y = judge.bonus(logits[0]) if i == n else judge.check(logits[0], chain[i + 1],
-                                                                      None if q is None else q[i])
-                if y is not None:
-                    acc = i
+                for b in live:
+                    if i == n_row[b]:
+                        verdict[b] = (i, judge.bonus(logits[b]))
+                    else:
+                        y = judge.check(logits[b], int(chain[b, i + 1]), None if q is None else q[b, i])
+                        if y is not None:
+                            verdict[b] = (i, y)
+                if verdict:
                     break
+            m = i
             h = torch.cat(rows, dim=1)
-            forwards = acc + 1
+            forwards = m + 1
 
-        stats.steps += 1
-        stats.drafted += n
-        stats.accepted += acc
-        stats.step_tokens += acc + 1
-        stats.step_forwards += forwards
-        stats.decisions.append((acc, y))
-        pending, p0 = h[:, :acc + 1], c + 1      # main_hidden of the committed positions c+1..c+1+acc
-        c += acc + 1
-        out += chain[1:acc + 1] + [y]
+        # Row b commits chain[b, 1..m] and then its own verdict if it stopped at m, else its next accepted
+        # draft. Finished rows take the drafts (their tokens are cut at EOS anyway).
+        nxt = chain[:, min(m + 1, n)].clone()
+        for b, (acc, y) in verdict.items():
+            if acc == m:
+                nxt[b] = y
+        for i in range(1, m + 1):
+            commit(c + 1 + i, chain[:, i])
+        commit(c + 2 + m, nxt)
+        # A row with no verdict, or one beyond m, also commits its draft m+1 and drops the rest it accepted.
+        beyond = [b for b in live if verdict.get(b, (n + 1, -1))[0] > m]
+        stats.steps += len(live)
+        stats.drafted += sum(n_row[b] for b in live)
+        stats.accepted += m * len(live) + len(beyond)
+        stats.discarded += sum(verdict[b][0] - m - 1 for b in beyond if b in verdict)
+        stats.step_tokens += (m + 1) * len(live)
+        stats.step_forwards += forwards * len(live)
+        stats.decisions.append(tuple(verdict.get(b, (-1, -1)) for b in range(bsz)))
+        pending, p0 = h[:, :m + 1], c + 1        # main_hidden of the committed positions c+1..c+1+m
+        c += m + 1
 
     _sync(device)
     stats.decode_s = time.perf_counter() - start
-    out = out[:max_new_tokens]
-    if eos_id in out:
-        out = out[:out.index(eos_id) + 1]
-        stats.reason = "eos"
-    stats.new_tokens = len(out)
-    return (out[:-1] if stats.reason == "eos" else out), stats
+    completions, reasons = [], []
+    for b, row in enumerate(tokens.tolist()):
+        row = [t for t in row[lens[b]:lens[b] + max_new_tokens] if t != -1]
+        if eos_id in row:
+            row = row[:row.index(eos_id) + 1]
+        stats.new_tokens += len(row)
+        reasons.append("eos" if eos_id in row else "length")
+        completions.append(row[:-1] if reasons[-1] == "eos" else row)
+    stats.reason = reasons[-1]
+    return completions, reasons, stats
+
+
+def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_id: int,
+                         temperature: Optional[float] = None, k: Optional[int] = None,
+                         verify: str = "chunked", min_confidence: Optional[float] = None,
+                         draft_hook: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+                         token_types: Optional[List[int]] = None, images=None) -> Tuple[List[int], SpecStats]:
+    """One prompt -> (completion ids, statistics): speculative_generate_batch for a batch of 1, with a
+    draft_hook taking and returning drafts [k], and decisions (accepted, next token) per step."""
+    hook = None if draft_hook is None else (lambda pos, d: draft_hook(pos, d[0]).view(1, -1))
+    out, _, stats = speculative_generate_batch(model, [prompt_ids], max_new_tokens, eos_id, temperature, k,
+                                               verify, min_confidence, hook,
+                                               None if token_types is None else [token_types], images)
+    stats.decisions = [d[0] for d in stats.decisions]
+    return out[0], stats

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from safetensors.torch import load_file
 from conftest import FIXTURE, ROOT, free_port, need_shared
 
 import generate
-from inference.speculative import greedy_accept, sampled_accept, speculative_generate
+import inference.speculative as speculative
+from inference.speculative import (greedy_accept, sampled_accept, speculative_generate,
+                                   speculative_generate_batch)
 
 PROMPT_LEN = 23      # odd: the ratio-2 compressor ends the prefill inside a group
 NEW = 201            # plain decoding's budget: max_seq_len - PROMPT_LEN
@@ -96,6 +99,69 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     assert chi2_pvalue(counts.flatten(), joint.flatten()) < 1e-3
 
 
+class ToyModel(torch.nn.Module):
+    """A stateless stand-in for the Transformer and its DSpark head: the main model's next-token law is the
+    bigram table P, the drafts are chained draws from the bigram table Q."""
+
+    def __init__(self, p, q, blk=5, max_len=64):
+        super().__init__()
+        self.args = SimpleNamespace(dspark_block_size=blk, max_seq_len=max_len, temperature=1.0)
+        self.lp, self.lq = p.float().log(), q.float().log()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))       # the loop reads the device from here
+        self.mtp = self
+
+    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False):
+        logits = self.lp[ids]                                                   # [B, S, V]
+        nxt = torch.multinomial(logits[:, -1].exp(), 1).view(-1)
+        return nxt, (logits if all_logits else logits[:, -1]), ids.float().unsqueeze(-1)
+
+    def rollback(self, keep_until):
+        pass
+
+    def forward_spec(self, x, hidden, start_pos):
+        if start_pos == 0:
+            return None
+        blk = self.args.dspark_block_size
+        ids = torch.zeros(x.shape[0], blk + 1, dtype=torch.long)
+        ids[:, 0] = x
+        for i in range(blk):
+            ids[:, i + 1] = torch.multinomial(self.lq[ids[:, i]].exp(), 1).view(-1)
+        return ids, self.lq[ids[:, :-1]], torch.zeros(x.shape[0], blk)
+
+
+@pytest.mark.parametrize("verify", ["chunked", "sequential"])
+def test_batch_rows_in_step_keep_the_target_distribution(verify, monkeypatch):
+    """Two rows speculated together commit the shorter accepted block: each row's first two tokens still
+    follow the target's joint law (chi-square, false-alarm rate 1e-3 per row), and the test has power."""
+    gen = torch.Generator().manual_seed(99)
+    p, q = toy_bigram(gen, 6)
+    model = ToyModel(p, q)
+    joints = [p[3].unsqueeze(1) * p, p[5].unsqueeze(1) * p]
+
+    def counts(trials):
+        c, uneven = torch.zeros(2, 36, dtype=torch.float64), 0
+        for _ in range(trials):
+            out, _, st = speculative_generate_batch(model, [[0, 3], [1, 5]], 5, -1, 1.0, 3, verify)
+            for b in range(2):
+                c[b, out[b][0] * 6 + out[b][1]] += 1
+            uneven += sum(r0[0] != r1[0] for r0, r1 in st.decisions)
+        return c, uneven
+
+    torch.manual_seed(2024)
+    c, uneven = counts(3500)
+    assert uneven > 500          # steps where one row accepted more than the other: the cut is exercised
+    for b in range(2):
+        pval = chi2_pvalue(c[b], joints[b].flatten())
+        print(f"{verify}, row {b}: chi-square p-value {pval:.3f}")
+        assert pval >= 1e-3, (b, pval)
+    # Power: accepting every draft, through the same loop, is rejected.
+    monkeypatch.setattr(speculative, "sampled_accept",
+                        lambda pp, qq, d, g=None: (len(d), int(torch.multinomial(pp[-1], 1))))
+    monkeypatch.setattr(speculative.Judge, "check", lambda self, logits, d, q: None)
+    c, _ = counts(1500)
+    assert chi2_pvalue(c[0], joints[0].flatten()) < 1e-3
+
+
 def test_greedy_rule():
     logits = torch.tensor([[0., 5, 1], [3, 0, 1], [0, 0, 9], [1, 2, 0]])
     assert greedy_accept(logits, torch.tensor([1, 0, 2])) == (3, 1)     # all accepted, bonus argmax row 3
@@ -143,7 +209,10 @@ def ckpt(tmp_path_factory):
         shutil.copy(tok / "tokenizer_config.json", dirs[world])
     gen = torch.Generator().manual_seed(0)
     prompt = [0] + torch.randint(4, config["vocab_size"] - 8, (PROMPT_LEN - 1,), generator=gen).tolist()
-    return {"config": str(cfg), "dirs": dirs, "root": root, "prompt": prompt, "vocab": config["vocab_size"]}
+    # A batch of two prompts of different lengths (the shorter one is teacher-forced past its prefill).
+    other = [0] + torch.randint(4, config["vocab_size"] - 8, (PROMPT_LEN - 7,), generator=gen).tolist()
+    return {"config": str(cfg), "dirs": dirs, "root": root, "prompt": prompt, "batch": [other, prompt],
+            "vocab": config["vocab_size"]}
 
 
 def build(ckpt, rank=0, world=1):
@@ -152,7 +221,7 @@ def build(ckpt, rank=0, world=1):
     from inference.config import ModelArgs, RuntimeOptions
     from inference.model import Transformer
     from inference.parallel import ParallelContext
-    args = ModelArgs.from_file(ckpt["config"], max_batch_size=1, temperature=0.0)
+    args = ModelArgs.from_file(ckpt["config"], max_batch_size=2, temperature=0.0)
     # Stable top-k tie-breaking: bf16 index scores tie, and an extend call ranks them in other shapes.
     opts = RuntimeOptions.from_profile("reference", deterministic_topk=True)
     path = ckpt["dirs"][world]
@@ -178,9 +247,31 @@ def plain_greedy(model, prompt, n):
         nxt, logits = generate.decode_step(model, nxt.view(1, 1), pos)
 
 
-def suite(model, prompt):
+@torch.inference_mode()
+def plain_greedy_batch(model, prompts, n):
+    """generate.generate()'s loop (right padding, prefill up to the shortest prompt, teacher forcing), also
+    recording per row the top-1/top-2 margin of every generated token."""
+    model.args.temperature = 0.0
+    lens = [len(p) for p in prompts]
+    total = min(model.args.max_seq_len, n + max(lens))
+    tokens = torch.full((len(prompts), total), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    margins = torch.full(tokens.shape, float("nan"))
+    nxt, logits = generate.prefill(model, tokens[:, :min(lens)])
+    for cur in range(min(lens), total):
+        if cur > min(lens):
+            nxt, logits = generate.decode_step(model, tokens[:, cur - 1:cur], cur - 1)
+        top2 = logits.topk(2, dim=-1).values
+        margins[:, cur] = top2[:, 0] - top2[:, 1]
+        tokens[:, cur] = torch.where(tokens[:, cur] >= 0, tokens[:, cur], nxt)
+    return ([tokens[b, m:m + n].tolist() for b, m in enumerate(lens)],
+            [margins[b, m:m + n].tolist() for b, m in enumerate(lens)])
+
+
+def suite(model, prompt, batch):
     """What both the MP 1 and the MP 2 tests check: greedy plain / sequential / chunked over the whole
-    max_seq_len budget, and sampled runs from a fixed seed."""
+    max_seq_len budget, at batch 1 and 2, and sampled runs from a fixed seed."""
     out = {}
     out["plain"], out["margins"] = plain_greedy(model, prompt, NEW + 10)
     for verify in ("sequential", "chunked"):
@@ -190,6 +281,14 @@ def suite(model, prompt):
         torch.manual_seed(5)
         tokens, st = speculative_generate(model, prompt, 30, -1, 1.0, 5, verify)
         out[f"sampled_{verify}"] = (tokens, st.decisions)
+    out["plain2"], out["margins2"] = plain_greedy_batch(model, batch, NEW + 10)
+    for verify in ("sequential", "chunked"):
+        tokens, _, st = speculative_generate_batch(model, batch, NEW + 10, -1, 0.0, 5, verify)
+        out[f"{verify}2"] = (tokens, st.decisions, st.plain_steps, st.mean_accepted, st.tokens_per_forward,
+                             st.discarded)
+    torch.manual_seed(6)
+    tokens, _, st = speculative_generate_batch(model, batch, 30, -1, 1.0, 5, "chunked")
+    out["sampled2"] = (tokens, st.decisions)
     return out
 
 
@@ -211,7 +310,7 @@ def check_chunked(name, got, plain, margins):
 @pytest.fixture(scope="module")
 def mp1(ckpt):
     model = build(ckpt)
-    return model, suite(model, ckpt["prompt"])
+    return model, suite(model, ckpt["prompt"], ckpt["batch"])
 
 
 def test_sequential_greedy_is_plain_greedy(mp1):
@@ -229,6 +328,58 @@ def test_chunked_greedy_is_plain_greedy_up_to_near_ties(mp1):
     print(f"real drafts (chunked): mean accepted length {mean_acc:.2f}, {tpf:.2f} tokens per forward")
     check_chunked("MP 1 chunked", tokens, r["plain"], r["margins"])
     assert tpf >= 1
+
+
+def test_batch_of_two_greedy_is_plain_batch_greedy(mp1, ckpt):
+    model, r = mp1
+    plain = r["plain2"]
+    assert [len(t) for t in plain] == [NEW + 6, NEW] and all(len(t) >= 200 for t in plain)
+    model.args.temperature = 0.0
+    assert generate.generate(model, ckpt["batch"], NEW + 10, -1)[0] == plain   # the helper is generate()'s
+    tokens, decisions, plain_steps, mean_acc, tpf, _ = r["sequential2"]
+    assert tokens == plain
+    assert plain_steps >= 5                       # the shorter prompt is teacher-forced first
+    print(f"batch 2 (sequential): mean accepted length {mean_acc:.2f}, {tpf:.2f} tokens per forward")
+    tokens, decisions, _, mean_acc, tpf, discarded = r["chunked2"]
+    print(f"batch 2 (chunked): mean accepted length {mean_acc:.2f}, {tpf:.2f} tokens per forward, "
+          f"{discarded} accepted drafts re-drafted")
+    for b in range(2):
+        check_chunked(f"MP 1 batch row {b} chunked", tokens[b], plain[b], r["margins2"][b])
+    tokens, decisions = r["sampled2"]
+    assert [len(t) for t in tokens] == [30, 30]
+    torch.manual_seed(6)
+    again, _, st = speculative_generate_batch(model, ckpt["batch"], 30, -1, 1.0, 5, "chunked")
+    assert again == tokens and st.decisions == decisions
+
+
+def test_batch_of_two_forced_drafts(mp1, ckpt):
+    """Both rows drafted right: 6 tokens per forward per sequence. One right, one random: the batch advances
+    by the random row's block, the right row re-drafts what it had accepted, output unchanged."""
+    model, r = mp1
+    plain, lens = r["plain2"], [len(p) for p in ckpt["batch"]]
+    gen = torch.Generator().manual_seed(4)
+
+    def hook(noisy_rows):
+        def draft(pos, d):
+            for b in range(2):
+                if b in noisy_rows:
+                    d[b] = torch.randint(4, ckpt["vocab"], d[b].shape, generator=gen)
+                else:
+                    d[b] = torch.tensor(plain[b][pos - lens[b]:pos - lens[b] + d.shape[1]])
+            return d
+        return draft
+
+    tokens, _, st = speculative_generate_batch(model, ckpt["batch"], 61, -1, 0.0, 5, "chunked",
+                                               draft_hook=hook(()))
+    print(f"batch 2, forced drafts: {st.tokens_per_forward:.2f} tokens per forward per sequence")
+    for b in range(2):
+        check_chunked(f"forced row {b}", tokens[b], plain[b][:61], r["margins2"][b])
+    if tokens == [p[:61] for p in plain]:
+        assert st.mean_accepted == 5 and st.tokens_per_forward == 6
+    tokens, _, st = speculative_generate_batch(model, ckpt["batch"], 40, -1, 0.0, 5, "sequential",
+                                               draft_hook=hook((1,)))
+    assert tokens == [p[:40] for p in plain]
+    assert st.tokens_per_forward >= 1 and st.decisions and all(d[0] == (-1, -1) for d in st.decisions)
 
 
 def test_forced_and_random_drafts(mp1, ckpt):
@@ -295,19 +446,22 @@ def _worker(rank, port, ckpt, out_dir):
     try:
         torch.manual_seed(0)
         model = build(ckpt, rank, 2)
-        torch.save(suite(model, ckpt["prompt"]), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(suite(model, ckpt["prompt"], ckpt["batch"]), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def test_mp2_same_decisions_on_every_rank_and_exactness(ckpt, tmp_path):
-    args = {k: ckpt[k] for k in ("config", "dirs", "prompt")}
+    args = {k: ckpt[k] for k in ("config", "dirs", "prompt", "batch")}
     mp.start_processes(_worker, args=(free_port(), args, str(tmp_path)), nprocs=2, start_method="spawn")
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
     assert r0 == r1                                # tokens, decisions and statistics, greedy and sampled
     assert len(r0["plain"]) == NEW
     assert r0["sequential"][0] == r0["plain"]
     check_chunked("MP 2 chunked", r0["chunked"][0], r0["plain"], r0["margins"])
+    assert r0["sequential2"][0] == r0["plain2"]
+    for b in range(2):
+        check_chunked(f"MP 2 batch row {b} chunked", r0["chunked2"][0][b], r0["plain2"][b], r0["margins2"][b])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,15 +481,20 @@ def run_cli(args, nproc=1):
 
 
 def test_cli_speculative_two_ranks(ckpt):
+    """Two prompts of different lengths in one batch of 2, at MP 2: the same completions as plain decoding."""
     root = ckpt["root"]
-    (root / "prompts.txt").write_text("Hello! Who are you?", encoding="utf-8")
+    (root / "prompts.txt").write_text("Hello! Who are you?\n\nWrite one line about the sea, please.",
+                                      encoding="utf-8")
     base = ["--ckpt-path", ckpt["dirs"][2], "--config", ckpt["config"], "--device", "cpu", "--input-file",
-            str(root / "prompts.txt"), "--max-new-tokens", "24", "--temperature", "0", "--deterministic-topk"]
+            str(root / "prompts.txt"), "--max-new-tokens", "24", "--temperature", "0", "--deterministic-topk",
+            "--max-batch-size", "2"]
     runs = {}
     for name, extra in (("plain", []), ("spec", ["--speculative", "dspark", "--spec-verify", "sequential"])):
         runs[name] = run_cli(base + ["--output", str(root / f"{name}.jsonl")] + extra, nproc=2)
         assert runs[name].returncode == 0, runs[name].stdout + runs[name].stderr
-    completions = {n: json.loads((root / f"{n}.jsonl").read_text())["completion"] for n in runs}
+    completions = {n: [json.loads(line)["completion"]
+                       for line in (root / f"{n}.jsonl").read_text().splitlines()] for n in runs}
+    assert len(completions["plain"]) == 2 and completions["plain"][0] != completions["plain"][1]
     assert completions["spec"] == completions["plain"]
     assert "speculative (dspark, sequential verification, k=5):" in runs["spec"].stdout
     assert "mean accepted length" in runs["spec"].stdout
@@ -343,7 +502,6 @@ def test_cli_speculative_two_ranks(ckpt):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--input-file", "x", "--speculative", "dspark", "--max-batch-size", "2"], "batch size 1"),
     (["--input-file", "x", "--spec-k", "3"], "need(s) --speculative dspark"),
     (["--input-file", "x", "--speculative", "dspark", "--spec-k", "0"], "--spec-k must be >= 1"),
     (["--input-file", "x", "--speculative", "dspark", "--spec-min-confidence", "2"], "in [0, 1]"),
