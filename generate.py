@@ -29,6 +29,7 @@ from encoding import (IMAGE_PLACEHOLDER, EncodingError, ParseError, encode_case,
 from encoding.encoding import EOS as EOS_TEXT, THINK_END
 from encoding.tokenizer import TokenizerError, image_token_spelling, load_tokenizer, read_special_ids
 from inference.checkpoint import CheckpointError, check_shards, load_checkpoint, save_atomically
+from inference.batch import prompt_buffer, read_completions
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engram import EngramError
 from inference.parallel import ParallelContext
@@ -162,16 +163,10 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
     total_len = min(args.max_seq_len, max_new_tokens + max(lens))
     bsz, shortest = len(prompt_tokens), min(lens)
 
-    tokens = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
-    for i, t in enumerate(prompt_tokens):
-        tokens[i, :len(t)] = torch.tensor(t, dtype=torch.long, device=device)
-    types = None
-    if prompt_token_types is not None:
-        types = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
-        for i, t in enumerate(prompt_token_types):
-            types[i, :len(t)] = torch.tensor(t, dtype=torch.long, device=device)
-        if (types[:, shortest:] >= 0).any():
-            raise CLIError("image spans must fit in the prefill chunk (the shortest prompt of the batch)")
+    try:
+        tokens, types = prompt_buffer(prompt_tokens, total_len, device, prompt_token_types)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     in_prompt = tokens != -1
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
 
@@ -190,17 +185,7 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
         if finished.all():
             break
 
-    completions, reasons = [], []
-    for i, row in enumerate(tokens.tolist()):
-        row = row[lens[i]:lens[i] + max_new_tokens]
-        row = [t for t in row if t != -1]
-        if eos_id in row:
-            completions.append(row[:row.index(eos_id)])
-            reasons.append("eos")
-        else:
-            completions.append(row)
-            reasons.append("length")
-    return completions, reasons
+    return read_completions(tokens, lens, max_new_tokens, eos_id)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,13 +301,17 @@ def finish_completion(sess: Session, prompt: Prompt, completion: List[int], reas
     return message, text, warning
 
 
+def vision_inputs(prompts: List[Prompt]) -> Tuple[Optional[list], Optional[list]]:
+    """Per row: token types (TEXT = -1 for text rows) and images; None, None if no prompt has images."""
+    if not any(p.images for p in prompts):
+        return None, None
+    return [p.token_types or [-1] * len(p.ids) for p in prompts], [p.images or [] for p in prompts]
+
+
 def run_prompts(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], List[str]]:
     if sess.opts.speculative == "dspark":
         return run_speculative(sess, prompts)
-    images = types = None
-    if any(p.images for p in prompts):   # per row: its images and token types (TEXT = -1 for text rows)
-        images = [p.images or [] for p in prompts]
-        types = [p.token_types or [-1] * len(p.ids) for p in prompts]
+    types, images = vision_inputs(prompts)
     return generate(sess.model, [p.ids for p in prompts], sess.opts.max_new_tokens, sess.eos_id,
                     prompt_token_types=types, images=images, stats=sess.stats)
 
@@ -330,10 +319,7 @@ def run_prompts(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], 
 def run_speculative(sess: Session, prompts: List[Prompt]) -> Tuple[List[List[int]], List[str]]:
     """DSpark drafting + verification (modules §11.5) for one batch of prompts."""
     o = sess.opts
-    images = types = None
-    if any(p.images for p in prompts):
-        images = [p.images or [] for p in prompts]
-        types = [p.token_types or [-1] * len(p.ids) for p in prompts]
+    types, images = vision_inputs(prompts)
     try:
         completions, reasons, st = speculative_generate_batch(
             sess.model, [p.ids for p in prompts], o.max_new_tokens, sess.eos_id, o.temperature, o.spec_k,
@@ -558,9 +544,15 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
     bsz, lens = len(seqs), [len(s) for s in seqs]
     total = max(lens)
     check_prompt_lengths(lens, model.args.max_seq_len)
-    ids = torch.full((bsz, total), -1, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = torch.tensor(s)
+    vision = {}
+    try:
+        ids, types = prompt_buffer(seqs, total, "cpu", token_types if images and any(images) else None)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    if types is not None:
+        if (types[:, prefill_len:] >= 0).any():
+            raise CLIError("image spans must fit in the prefill chunk [0, prefill_len)")
+        vision = {"images": images, "token_types": types[:, :prefill_len].to(device)}
     # Rows that already ended are fed their last token (any valid id would do).
     fed = ids.clone()
     for b, n in enumerate(lens):
@@ -580,14 +572,6 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
         if res is not None:
             drafts.append([t.cpu() for t in res])
 
-    vision = {}
-    if images is not None and any(images):
-        types = torch.full((bsz, prefill_len), -1, dtype=torch.long)
-        for b, t in enumerate(token_types):
-            types[b, :min(len(t), prefill_len)] = torch.tensor(t[:prefill_len], dtype=torch.long)
-        if any(x >= 0 for t in token_types for x in t[prefill_len:]):
-            raise CLIError("image spans must fit in the prefill chunk [0, prefill_len)")
-        vision = {"images": images, "token_types": types.to(device)}
     next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, model,
                                       fed[:, :prefill_len], 0, all_logits=all_prefill_logits, **vision)
     out = {}

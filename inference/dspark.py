@@ -1,6 +1,5 @@
 """DSpark draft head (checkpoint `mtp.0..K`): window-only stages seeded with the main model's KV, a Markov
 head that chains the drafts and a confidence head (spec modules §11.1-11.4)."""
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -85,7 +84,7 @@ class DSpark(nn.ModuleList):
         start_pos = 0 only seeds the rings and returns None; otherwise returns
         (draft ids [B, blk+1], draft logits [B, blk, V] fp32 with the Markov bias, confidence [B, blk])."""
         a = self.ctx.args
-        first, last = self[0], self[-1]
+        first = self[0]
         main_x = first.main_norm(first.main_proj(main_hidden))                   # [B, m, D]
         if start_pos == 0:
             for stage in self:

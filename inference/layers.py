@@ -118,10 +118,17 @@ class ParallelHead(nn.Module):
         self.ctx = ctx
         self.weight = _param((vocab_size // ctx.world_size, dim), torch.float32)
 
-    def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, all_positions: bool = False,
+                per_position: bool = False) -> torch.Tensor:
+        """x [B, S, D] -> logits [B, V] of the last position, or [B, S, V] with all_positions.
+        per_position: one GEMV per position (the shape a single-token decode uses, so each row is
+        bit-identical to decoding it alone), still one all-gather."""
         if not all_positions:
             x = x[:, -1]
-        logits = F.linear(x.float(), self.weight)                   # [B, V/W] or [B, S, V/W]
+        if per_position and all_positions:
+            logits = torch.stack([F.linear(x[:, i].float(), self.weight) for i in range(x.shape[1])], dim=1)
+        else:
+            logits = F.linear(x.float(), self.weight)               # [B, V/W] or [B, S, V/W]
         return self.ctx.all_gather_cat(logits, dim=-1)
 
 

@@ -208,12 +208,9 @@ class Transformer(nn.Module):
         x = self.norm(hc_pre(x, pre))
         if capture is not None:
             capture["final_norm"] = [x]
-        if all_logits and start_pos > 0:
-            # Extend: one GEMV per position, the shape a single-token decode uses, so the fp32 logits of
-            # every verified position are bit-identical to decoding it alone.
-            logits = torch.stack([self.head(x[:, :i + 1]) for i in range(s)], dim=1)   # [B, S, V]
-        else:
-            logits = self.head(x, all_positions=all_logits)
+        # Extend (start_pos > 0): per-position GEMVs, so every verified position's fp32 logits are
+        # bit-identical to decoding it alone.
+        logits = self.head(x, all_positions=all_logits, per_position=start_pos > 0)     # [B, V] / [B, S, V]
         next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature)
         main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
         return next_ids, logits, main_hidden

@@ -24,6 +24,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from inference.batch import prompt_buffer, read_completions
+
 VERIFY_MODES = ("chunked", "sequential")
 
 
@@ -202,16 +204,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     if shortest == total_len:                    # no room for a token (the official loop makes no call)
         return [[] for _ in prompts], ["length"] * bsz, stats
 
-    tokens = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-    types = None
-    if token_types is not None:
-        types = torch.full((bsz, total_len), -1, dtype=torch.long, device=device)
-        for b, t in enumerate(token_types):
-            types[b, :len(t)] = torch.tensor(t, dtype=torch.long)
-        if (types[:, shortest:] >= 0).any():
-            raise ValueError("image spans must fit in the prefill chunk (the shortest prompt of the batch)")
+    tokens, types = prompt_buffer(prompts, total_len, device, token_types)
     in_prompt = tokens != -1
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
 
@@ -313,14 +306,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
 
     _sync(device)
     stats.decode_s = time.perf_counter() - start
-    completions, reasons = [], []
-    for b, row in enumerate(tokens.tolist()):
-        row = [t for t in row[lens[b]:lens[b] + max_new_tokens] if t != -1]
-        if eos_id in row:
-            row = row[:row.index(eos_id) + 1]
-        stats.new_tokens += len(row)
-        reasons.append("eos" if eos_id in row else "length")
-        completions.append(row[:-1] if reasons[-1] == "eos" else row)
+    completions, reasons = read_completions(tokens, lens, max_new_tokens, eos_id)
+    stats.new_tokens = sum(len(t) + (r == "eos") for t, r in zip(completions, reasons))
     stats.reason = reasons[-1]
     return completions, reasons, stats
 

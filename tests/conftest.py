@@ -29,3 +29,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fixture_model(opts=None, **overrides):
+    """The reference-tiny checkpoint in a Transformer (W = 1), config keys overridden by `overrides`;
+    skips when ../shared is absent."""
+    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    from encoding.tokenizer import load_tokenizer
+    from inference.checkpoint import load_checkpoint
+    from inference.config import ModelArgs
+    from inference.model import Transformer
+    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), **overrides)
+    model = Transformer(args, opts=opts, tokenizer=load_tokenizer(FIXTURE))
+    load_checkpoint(model, FIXTURE)
+    return model
+
+
+def fixture_tensors(name: str):
+    """A safetensors file of the fixture, e.g. reference_logits or intermediates."""
+    from safetensors.torch import load_file
+    return load_file(need_shared(os.path.join(FIXTURE, f"{name}.safetensors")))

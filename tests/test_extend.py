@@ -1,30 +1,22 @@
 """The extend path (start_pos > 0, several tokens: speculative verification) and its rollback equal
 single-token decoding (modules §11.6), including the emulation of the stale index-key defect (§7.9)."""
-import os
 
 import pytest
 import torch
 
-from conftest import FIXTURE, need_shared
-from inference.checkpoint import load_checkpoint
-from inference.config import ModelArgs, RuntimeOptions
-from inference.model import Transformer
+from conftest import fixture_model, fixture_tensors
+from inference.config import RuntimeOptions
 
 P0, N = 200, 20
 
 
 @pytest.fixture(scope="module", params=["reference", "fixed"])
 def setup(request):
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
-    from safetensors.torch import load_file
-    from encoding.tokenizer import load_tokenizer
     # A small top-k and candidate budget so that both levels of the indexer bind at these lengths; stable
     # tie-breaking, because bf16 index scores tie and torch.topk's choice among ties depends on the shape.
-    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), index_topk=16, candidate_topk_blocks=4)
     opts = RuntimeOptions.from_profile(request.param, deterministic_topk=True)
-    model = Transformer(args, opts=opts, tokenizer=load_tokenizer(FIXTURE))
-    load_checkpoint(model, FIXTURE)
-    ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
+    model = fixture_model(opts, index_topk=16, candidate_topk_blocks=4)
+    ref = fixture_tensors("reference_logits")
     seq = torch.cat([ref["prompt_ids"], ref["generated_ids"]], dim=1)
     model.reset()
     model(seq[:, :P0], 0)

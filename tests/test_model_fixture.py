@@ -1,29 +1,17 @@
 """Conformance with the official reference on ../shared/fixtures/reference-tiny (its README §8)."""
-import os
 
 import pytest
 import torch
 
-from conftest import FIXTURE, need_shared
-from inference.checkpoint import load_checkpoint
-from inference.config import ModelArgs
+from conftest import fixture_model, fixture_tensors
 from inference.hyper import hc_pre
-from inference.model import Transformer
 
 STEPS = 21
 
 
 @pytest.fixture(scope="module")
 def fx():
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
-    from safetensors.torch import load_file
-    from encoding.tokenizer import load_tokenizer
-    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
-    model = Transformer(args, tokenizer=load_tokenizer(FIXTURE))
-    load_checkpoint(model, FIXTURE)
-    ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
-    inter = load_file(os.path.join(FIXTURE, "intermediates.safetensors"))
-    return model, ref, inter
+    return fixture_model(), fixture_tensors("reference_logits"), fixture_tensors("intermediates")
 
 
 def step_inputs(ref, k):
@@ -137,11 +125,8 @@ def test_batch_of_two_right_padded(fx):
     """Two prompts of different lengths in one batch, run like the official generate loop (prefill the
     shortest length, then one position per call, the longer row teacher-forced from its prompt), give each
     row what it gets alone, up to the batch-composition noise of numerics §15."""
-    from encoding.tokenizer import load_tokenizer
     _, ref, _ = fx
-    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_batch_size=2)
-    model = Transformer(args, tokenizer=load_tokenizer(FIXTURE))
-    load_checkpoint(model, FIXTURE)
+    model = fixture_model(max_batch_size=2)
     text = torch.cat([ref["prompt_ids"], ref["generated_ids"]], dim=1)[0]        # 322 tokens
     total, lens = 316, [301, 290]
     batch = torch.stack([text[:total], text[6:6 + total]])

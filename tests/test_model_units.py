@@ -1,5 +1,4 @@
 """Model construction, configuration checks and the strict loader."""
-import json
 import os
 
 import pytest

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_model, need_shared
 from inference import parity
 from inference.config import ModelArgs, RuntimeOptions
 
@@ -21,13 +21,7 @@ PERTURBED_LAYER = 4
 
 
 def build_fixture_model(numerics: str):
-    from encoding.tokenizer import load_tokenizer
-    from inference.checkpoint import load_checkpoint
-    from inference.model import Transformer
-    model = Transformer(ModelArgs.from_file(os.path.join(FIXTURE, "config.json")),
-                        opts=RuntimeOptions.from_profile(numerics), tokenizer=load_tokenizer(FIXTURE))
-    load_checkpoint(model, FIXTURE)
-    return model
+    return fixture_model(RuntimeOptions.from_profile(numerics))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, free_port, need_shared
+from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, need_shared
 
 import generate
 import inference.speculative as speculative
@@ -550,20 +550,12 @@ def test_score_dspark_matches_reference_fixture(tmp_path):
 def test_dspark_layer_isolated_matches_reference_fixture():
     """README §8.2 step 5: main_hidden built from the recorded streams, so only DSpark's own arithmetic
     counts."""
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
-    from encoding.tokenizer import load_tokenizer
-    from inference.checkpoint import load_checkpoint
-    from inference.config import ModelArgs
-    from inference.model import Transformer
-    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
-    model = Transformer(args, tokenizer=load_tokenizer(FIXTURE))
-    load_checkpoint(model, FIXTURE)
-    ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
-    inter = load_file(os.path.join(FIXTURE, "intermediates.safetensors"))
+    model = fixture_model()
+    ref, inter = fixture_tensors("reference_logits"), fixture_tensors("intermediates")
     res = []
     for k in range(21):
         streams = inter[f"step{k:02d}.block_out"]
-        hidden = torch.cat([streams[t - 1].mean(dim=2) for t in args.dspark_target_layer_ids], dim=-1)
+        hidden = torch.cat([streams[t - 1].mean(dim=2) for t in model.args.dspark_target_layer_ids], dim=-1)
         out = model.mtp.forward_spec(ref["generated_ids"][:, k], hidden, 0 if k == 0 else 300 + k)
         assert (out is None) == (k == 0)
         if out is not None:

@@ -3,7 +3,6 @@ reference."""
 import os
 import re
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
