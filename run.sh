@@ -54,7 +54,7 @@ demo() {
     if [ ! -f "$hf/model.safetensors.index.json" ] || ! cmp -s demo/config.json "$out/config.json"; then
         echo "== writing a tiny random-weight checkpoint (real DeepSeek tokenizer) to $hf"
         rm -rf "$hf" "$hf.tmp" "$out"/mp*
-        "$PY" -m inference.synthetic --config demo/config.json --out "$hf.tmp" --seed 0
+        "$PY" -m inference.tools.synthetic --config demo/config.json --out "$hf.tmp" --seed 0
         mv "$hf.tmp" "$hf"
         cp demo/config.json "$out/config.json"
     fi

@@ -119,6 +119,10 @@ class ModelArgs:
         return self.n_layers + (self.n_mtp_layers if self.dspark_block_size > 0 else 0)
 
     @property
+    def has_dspark(self) -> bool:
+        return self.dspark_block_size > 0 and self.n_mtp_layers > 0
+
+    @property
     def dspark_experts(self) -> int:
         return self.dspark_n_routed_experts or self.n_routed_experts
 
@@ -185,7 +189,7 @@ class ModelArgs:
         checks = [("vocab_size", self.vocab_size), ("n_heads", self.n_heads),
                   ("index_n_heads", self.index_n_heads), ("o_groups", self.o_groups),
                   ("n_routed_experts", self.n_routed_experts)]
-        if self.dspark_block_size > 0 and self.n_mtp_layers > 0:
+        if self.has_dspark:
             checks.append(("dspark_n_routed_experts", self.dspark_experts))
         for name, v in checks:
             if v % world_size:

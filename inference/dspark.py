@@ -7,7 +7,7 @@ import torch.nn as nn
 from .attention import Attention
 from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
-from .model import Block
+from .block import Block
 from .sampling import sample
 from .sparse_attn import sparse_attn
 from .state import ModelContext

@@ -1,72 +1,20 @@
-"""Block and Transformer: the V4.1-Flash backbone with hyper-connections, Engram, DSpark hooks
-(modules §4-6)."""
+"""Transformer: embedding, Engram hashing, the stack of Blocks, the head, the DSpark draft head and the vision
+tower; prefill, decode, extend and rollback (modules §4-6)."""
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
-from .attention import Attention
+from .block import Block, empty_param
+from .dspark import DSpark
 from .config import ModelArgs, RuntimeOptions
-from .engram import Engram, EngramHasher, ParallelEngramEmbedding, build_compressed_token_map
-from .hyper import hc_mixes, hc_post, hc_pre
+from .engram import EngramHasher, ParallelEngramEmbedding, build_compressed_token_map
+from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
-from .moe import MoE
 from .parallel import ParallelContext
 from .sampling import sample
 from .state import ModelContext
 from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddings
-
-
-class Block(nn.Module):
-    """One layer: attention site and FFN site, each wrapped by a hyper-connection mix.
-
-    Delayed (single-pass) schedule: each site collapses its input with the *previous* site's `pre`
-    and returns its own for the next one (modules §5.3)."""
-
-    def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
-        super().__init__()
-        a = ctx.args
-        self.layer_id, self.ctx = layer_id, ctx
-        backbone = layer_id < a.n_layers
-        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.attn = attn if attn is not None else Attention(layer_id, ctx)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        if backbone:
-            self.ffn = MoE(ctx, a.n_routed_experts, a.n_activated_experts, with_bias_vl=a.vision_n_layers > 0)
-        else:  # DSpark stages: their own expert count and top-k; bias_vl is stored but drafts are text
-            self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=a.vision_n_layers > 0)
-        n_mix, width = (2 + a.hc_mult) * a.hc_mult, a.hc_mult * a.dim
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", _p((n_mix, width)))
-            self.register_parameter(f"hc_{site}_base", _p((n_mix,)))
-            self.register_parameter(f"hc_{site}_scale", _p((3,)))
-        self.engram = None
-        if backbone and layer_id in a.engram_layer_ids:
-            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par)
-
-    def mixes(self, x: torch.Tensor, site: str):
-        a = self.ctx.args
-        fn = lambda u: hc_mixes(u, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                                getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
-                                a.norm_eps)
-        return self.ctx.per_position(fn, x)
-
-    def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
-                image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
-        """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
-        residual = x
-        pre_a, post_a, comb_a = self.mixes(x, "attn")
-        y = self.attn(self.attn_norm(hc_pre(x, pre_mix)), start_pos, **attn_kwargs)   # [B, S, D]
-        x = hc_post(y, residual, post_a, comb_a)                                      # [B, S, hc, D]
-        residual = x
-        pre_f, post_f, comb_f = self.mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a)), image_mask)
-        x = hc_post(y, residual, post_f, comb_f)
-        return x, pre_f
-
-
-def _p(shape, dtype=torch.float32):
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class Transformer(nn.Module):
@@ -89,10 +37,9 @@ class Transformer(nn.Module):
                 self.vision = VisionTransformer(args)
                 self.aligner = Aligner(args)
                 for name in ("image_start", "image_end", "image_newline"):
-                    self.register_parameter(name, _p((args.dim,), torch.bfloat16))
+                    self.register_parameter(name, empty_param((args.dim,), torch.bfloat16))
             self.mtp = None
-            if build_dspark and args.dspark_block_size > 0 and args.n_mtp_layers > 0:
-                from .dspark import DSpark
+            if build_dspark and args.has_dspark:
                 self.mtp = DSpark(self.ctx, self.embed, self.head)
         # Linear layers and embedding tables hold no ModelContext: golden numerics reach them as a flag.
         for m in self.modules():

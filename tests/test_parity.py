@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURE, ROOT, fixture_model, need_shared
-from inference import parity
+from inference.engine.checkpoint import save_atomically
+from inference.engine.scoring import score_with_capture
+from inference.tools import parity
 from inference.config import ModelArgs, RuntimeOptions
 
 REF_LOGITS = os.path.join(FIXTURE, "reference_logits.safetensors")
@@ -29,7 +31,6 @@ def runs(tmp_path_factory):
     """Scoring runs of the fixture's score.json with block captures: reference and golden numerics, and the
     reference model with expert 0's w2 in block 4 scaled by 8 (UE8M0 scale bytes + 3: exact)."""
     need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
-    import generate
     tmp = tmp_path_factory.mktemp("parity")
     with open(os.path.join(FIXTURE, "score.json")) as f:
         spec = json.load(f)
@@ -38,10 +39,10 @@ def runs(tmp_path_factory):
     def run(name, model, all_prefill_logits=True):
         model.reset()
         caps = str(tmp / f"{name}_caps.safetensors")
-        out = parity.score_with_capture(model, spec["sequences"], spec["prefill_len"], caps,
+        out = score_with_capture(model, spec["sequences"], spec["prefill_len"], caps,
                                         all_prefill_logits=all_prefill_logits)
         dump = str(tmp / f"{name}.safetensors")
-        generate.save_atomically(out, dump, {"prefill_len": str(spec["prefill_len"])})
+        save_atomically(out, dump, {"prefill_len": str(spec["prefill_len"])})
         paths[name], paths[f"{name}_caps"] = dump, caps
 
     threads = torch.get_num_threads()
@@ -285,7 +286,7 @@ def run_generate(args, nproc):
 
 def test_mp1_vs_mp2_dumps_on_a_synthetic_model(tmp_path):
     import convert
-    from inference.synthetic import write_synthetic_checkpoint
+    from inference.tools.synthetic import write_synthetic_checkpoint
     need_shared(os.path.join(FIXTURE, "tokenizer.json"))
     with open(os.path.join(FIXTURE, "config.json")) as f:
         config = json.load(f)
@@ -308,7 +309,7 @@ def test_mp1_vs_mp2_dumps_on_a_synthetic_model(tmp_path):
                       "--dump-logits", str(tmp_path / f"mp{mp}.safetensors")], nproc=mp)
     # W = 2 sums bf16 partials in another order (numerics.md §14), a noise the same-W defaults do not allow
     # for (measured: max |Δ| 0.196, mean 0.032, mean KL 8.2e-4): the bounds of tests/test_generate.py.
-    cmd = [sys.executable, "-m", "inference.parity", "compare", str(tmp_path / "mp2.safetensors"),
+    cmd = [sys.executable, "-m", "inference.tools.parity", "compare", str(tmp_path / "mp2.safetensors"),
            str(tmp_path / "mp1.safetensors"), "--atol-max", "0.35", "--atol-mean", "0.05", "--max-kl", "2e-3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, need_shared
 
 import generate
-import inference.speculative as speculative
-from inference.speculative import (greedy_accept, sampled_accept, speculative_generate,
+from inference.engine import generation
+import inference.engine.speculative as speculative
+from inference.engine.speculative import (greedy_accept, sampled_accept, speculative_generate,
                                    speculative_generate_batch)
 
 PROMPT_LEN = 23      # odd: the ratio-2 compressor ends the prefill inside a group
@@ -179,7 +180,7 @@ def test_greedy_rule():
 def ckpt(tmp_path_factory):
     import convert
     from inference.config import ModelArgs
-    from inference.synthetic import write_synthetic_checkpoint
+    from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("spec")
     small = os.path.isdir(FIXTURE)
@@ -217,7 +218,7 @@ def ckpt(tmp_path_factory):
 
 def build(ckpt, rank=0, world=1):
     from encoding.tokenizer import load_tokenizer
-    from inference.checkpoint import load_checkpoint
+    from inference.engine.checkpoint import load_checkpoint
     from inference.config import ModelArgs, RuntimeOptions
     from inference.model import Transformer
     from inference.parallel import ParallelContext
@@ -235,7 +236,7 @@ def plain_greedy(model, prompt, n):
     """generate.py's plain loop for one prompt (the same calls as generate()), recording each token's
     top-1/top-2 logit margin."""
     model.args.temperature = 0.0
-    nxt, logits = generate.prefill(model, torch.tensor([prompt]))
+    nxt, logits = generation.prefill(model, torch.tensor([prompt]))
     tokens, margins = [], []
     while True:
         top2 = logits[0].topk(2).values
@@ -244,12 +245,12 @@ def plain_greedy(model, prompt, n):
         pos = len(prompt) + len(tokens) - 1
         if len(tokens) == n or pos + 1 >= model.args.max_seq_len:
             return tokens, margins
-        nxt, logits = generate.decode_step(model, nxt.view(1, 1), pos)
+        nxt, logits = generation.decode_step(model, nxt.view(1, 1), pos)
 
 
 @torch.inference_mode()
 def plain_greedy_batch(model, prompts, n):
-    """generate.generate()'s loop (right padding, prefill up to the shortest prompt, teacher forcing), also
+    """generation.generate()'s loop (right padding, prefill up to the shortest prompt, teacher forcing), also
     recording per row the top-1/top-2 margin of every generated token."""
     model.args.temperature = 0.0
     lens = [len(p) for p in prompts]
@@ -258,10 +259,10 @@ def plain_greedy_batch(model, prompts, n):
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
     margins = torch.full(tokens.shape, float("nan"))
-    nxt, logits = generate.prefill(model, tokens[:, :min(lens)])
+    nxt, logits = generation.prefill(model, tokens[:, :min(lens)])
     for cur in range(min(lens), total):
         if cur > min(lens):
-            nxt, logits = generate.decode_step(model, tokens[:, cur - 1:cur], cur - 1)
+            nxt, logits = generation.decode_step(model, tokens[:, cur - 1:cur], cur - 1)
         top2 = logits.topk(2, dim=-1).values
         margins[:, cur] = top2[:, 0] - top2[:, 1]
         tokens[:, cur] = torch.where(tokens[:, cur] >= 0, tokens[:, cur], nxt)
@@ -335,7 +336,7 @@ def test_batch_of_two_greedy_is_plain_batch_greedy(mp1, ckpt):
     plain = r["plain2"]
     assert [len(t) for t in plain] == [NEW + 6, NEW] and all(len(t) >= 200 for t in plain)
     model.args.temperature = 0.0
-    assert generate.generate(model, ckpt["batch"], NEW + 10, -1)[0] == plain   # the helper is generate()'s
+    assert generation.generate(model, ckpt["batch"], NEW + 10, -1)[0] == plain   # the helper is generate()'s
     tokens, decisions, plain_steps, mean_acc, tpf, _ = r["sequential2"]
     assert tokens == plain
     assert plain_steps >= 5                       # the shorter prompt is teacher-forced first

@@ -15,7 +15,7 @@ from conftest import FIXTURE, ROOT, need_shared
 
 from inference.config import ModelArgs
 from inference.safetensors_io import tensor_nbytes
-from inference.synthetic import (RUNTIME_FIELDS, hf_config, hf_tensor_specs, pow2_exponent, quant_fp4,
+from inference.tools.synthetic import (RUNTIME_FIELDS, hf_config, hf_tensor_specs, pow2_exponent, quant_fp4,
                                  write_synthetic_checkpoint)
 
 TINY = dict(n_layers=2, n_mtp_layers=1, compress_ratios=[0, 2, 0], kv_source_layers=[1],
@@ -140,7 +140,7 @@ def test_cli(tmp_path):
     need_shared(FIXTURE)
     out = tmp_path / "hf"
     config = os.path.join(FIXTURE, "config.json")
-    r = subprocess.run([sys.executable, "-m", "inference.synthetic", "--config", config,
+    r = subprocess.run([sys.executable, "-m", "inference.tools.synthetic", "--config", config,
                         "--out", str(out), "--shards", "2", "--tokenizer", FIXTURE, "--workers", "1"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

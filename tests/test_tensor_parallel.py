@@ -52,7 +52,7 @@ def _worker(rank, port, ckpt, result_path):
     try:
         from safetensors.torch import load_file
         from encoding.tokenizer import load_tokenizer
-        from inference.checkpoint import load_checkpoint
+        from inference.engine.checkpoint import load_checkpoint
         from inference.config import ModelArgs
         from inference.model import Transformer
         from inference.parallel import ParallelContext

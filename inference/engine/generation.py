@@ -1,0 +1,177 @@
+"""The generate loop: prefill, decode step and the batched loop around them, as the official runtime runs
+them (prompts right-padded in one buffer; prefill up to the shortest prompt, then one position per step,
+longer prompts teacher-forced). Prefill and decode step are separate functions so each can be read and timed
+alone; `complete` runs a batch of prepared prompts, plainly or with DSpark speculative decoding."""
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .batch import prompt_buffer, read_completions
+from .errors import InputError
+from .prompts import Completion, Prompt, check_prompt_lengths, finish_completion, vision_inputs
+from .speculative import SpecStats, speculative_generate_batch
+
+
+@dataclass
+class Stats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    def summary(self) -> str:
+        def rate(n, s):
+            return f"{n} tokens in {s:.2f} s ({n / s:.1f} tokens/s)" if s > 0 else f"{n} tokens"
+        return (f"prefill: {rate(self.prefill_tokens, self.prefill_s)}; "
+                f"decode: {rate(self.decode_tokens, self.decode_s)}")
+
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(model, ids: torch.Tensor, token_types: Optional[torch.Tensor] = None, images=None,
+            all_logits: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, P] at positions [0, P) -> (sampled next ids [B], logits)."""
+    next_ids, logits, _ = model(ids, 0, images=images, token_types=token_types, all_logits=all_logits)
+    return next_ids, logits
+
+
+def decode_step(model, ids: torch.Tensor, pos: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, 1] at position pos -> (sampled next ids [B], logits [B, V])."""
+    next_ids, logits, _ = model(ids, pos)
+    return next_ids, logits
+
+
+def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Callable, *args, **kw):
+    start = time.perf_counter()
+    out = fn(*args, **kw)
+    _sync(device)
+    setattr(stats, f"{phase}_s", getattr(stats, f"{phase}_s") + time.perf_counter() - start)
+    setattr(stats, f"{phase}_tokens", getattr(stats, f"{phase}_tokens") + n_tokens)
+    return out
+
+
+@torch.inference_mode()
+def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id: int,
+             prompt_token_types: Optional[List[List[int]]] = None, images: Optional[list] = None,
+             stats: Optional[Stats] = None) -> Tuple[List[List[int]], List[str]]:
+    """Batched generation, prompts right-padded as in the official loop.
+
+    Returns per prompt the completion ids (EOS excluded, at most max_new_tokens) and the finish reason
+    ("eos" or "length").
+    """
+    stats = stats if stats is not None else Stats()
+    args = model.args
+    device = next(model.parameters()).device
+    lens = [len(t) for t in prompt_tokens]
+    check_prompt_lengths(lens, args.max_seq_len)
+    total_len = min(args.max_seq_len, max_new_tokens + max(lens))
+    bsz, shortest = len(prompt_tokens), min(lens)
+
+    try:
+        tokens, types = prompt_buffer(prompt_tokens, total_len, device, prompt_token_types)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    in_prompt = tokens != -1
+    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+
+    prev = 0
+    for cur in range(shortest, total_len):
+        if cur == shortest:
+            next_ids, _ = _timed(stats, "prefill", bsz * cur, device, prefill, model, tokens[:, :cur],
+                                 token_types=None if types is None else types[:, :cur], images=images)
+        else:
+            next_ids, _ = _timed(stats, "decode", bsz, device, decode_step, model, tokens[:, prev:cur], prev)
+        # Rows still inside their prompt keep the prompt token (teacher forcing).
+        next_ids = torch.where(in_prompt[:, cur], tokens[:, cur], next_ids)
+        tokens[:, cur] = next_ids
+        finished |= ~in_prompt[:, cur] & (next_ids == eos_id)
+        prev = cur
+        if finished.all():
+            break
+
+    return read_completions(tokens, lens, max_new_tokens, eos_id)
+
+
+
+@dataclass
+class SpecOptions:
+    """Speculative decoding with the DSpark draft head (see speculative.py)."""
+    temperature: float
+    k: Optional[int] = None                    # drafts verified per step (default: the block size)
+    verify: str = "chunked"                    # chunked | sequential
+    min_confidence: Optional[float] = None
+
+
+def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, stats: Stats,
+             spec: Optional[SpecOptions] = None,
+             spec_stats: Optional[SpecStats] = None) -> Tuple[List[List[int]], List[str]]:
+    """One batch of prepared prompts -> completion ids and finish reasons. Timings go to `stats`; with `spec`
+    the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`."""
+    types, images = vision_inputs(prompts)
+    if spec is None:
+        return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id,
+                        prompt_token_types=types, images=images, stats=stats)
+    try:
+        completions, reasons, st = speculative_generate_batch(
+            model, [p.ids for p in prompts], max_new_tokens, eos_id, spec.temperature, spec.k, spec.verify,
+            spec.min_confidence, token_types=types, images=images)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if spec_stats is not None:
+        spec_stats.add(st)
+    stats.prefill_tokens += st.prefill_tokens
+    stats.prefill_s += st.prefill_s
+    stats.decode_tokens += max(0, st.new_tokens - len(prompts))   # first tokens come from the prefill
+    stats.decode_s += st.decode_s
+    return completions, reasons
+
+
+@dataclass
+class Runner:
+    """A loaded model and what the batches of one run share: the budget, EOS, timings, the speculative
+    options and statistics, and the JSONL record file (rank 0 only; None elsewhere)."""
+    model: Any
+    tokenizer: Any
+    max_new_tokens: int
+    eos_id: int
+    spec: Optional[SpecOptions] = None
+    stats: Stats = field(default_factory=Stats)
+    spec_stats: Optional[SpecStats] = None
+    records: Any = None
+    rank: int = 0
+
+    def __post_init__(self):
+        if self.spec is not None and self.spec_stats is None:
+            self.spec_stats = SpecStats()
+
+    def run_all(self, prompts: List[Prompt], max_batch_size: int):
+        """-> (prompt, completion or None off rank 0), in order. Prompts with images run one at a time (every
+        span must fit in the prefill chunk), text prompts in batches of max_batch_size."""
+        size = 1 if any(p.images for p in prompts) else max_batch_size
+        for start in range(0, len(prompts), size):
+            chunk = prompts[start:start + size]
+            yield from zip(chunk, self.run(chunk, [f"prompt {start + n + 1}" for n in range(len(chunk))]))
+
+    def run(self, prompts: List[Prompt], names: List[str], always_warn: bool = False) -> List[Optional[Completion]]:
+        """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
+        other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn."""
+        ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats, self.spec,
+                                self.spec_stats)
+        if self.rank != 0:
+            return [None] * len(prompts)
+        done = []
+        for prompt, completion, reason, name in zip(prompts, ids, reasons, names):
+            c = finish_completion(self.tokenizer, prompt, completion, reason, name,
+                                  always_warn or reason == "eos", self.max_new_tokens)
+            if self.records is not None:
+                self.records.write(json.dumps(c.record, ensure_ascii=False) + "\n")
+                self.records.flush()
+            done.append(c)
+        return done

@@ -1,0 +1,255 @@
+"""Prompts in, completions out: chat cases and prompt files become token ids (with image spans and token
+types), score files become teacher-forcing sequences, and finished completions are parsed back into
+assistant messages with the strict V4.1 parser."""
+import copy
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from encoding import (IMAGE_PLACEHOLDER, EncodingError, ParseError, encode_case, encode_messages, load_cases,
+                      parse_message_from_completion_text, parse_tagged_text, to_json)
+from encoding.encoding import EOS as EOS_TEXT, THINK_END
+from encoding.tokenizer import image_token_spelling
+
+from ..config import ModelArgs
+from ..vision import VisionError, prepare_vl_inputs
+from .errors import InputError
+
+
+@dataclass
+class Prompt:
+    """One prompt, ready for the model. Built on rank 0 and broadcast."""
+    raw: str                               # what "Prompt:" prints
+    ids: List[int]
+    thinking_mode: str
+    token_types: Optional[List[int]] = None
+    images: Optional[list] = None          # [ImageInput] of this prompt
+
+
+
+def check_prompt_lengths(lengths: List[int], max_seq_len: int) -> None:
+    for i, n in enumerate(lengths):
+        if n > max_seq_len:
+            raise InputError(f"Prompt length exceeds model maximum sequence length "
+                             f"(max_seq_len={max_seq_len}): prompt {i + 1} has {n} tokens")
+
+
+def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where: str, vision: bool = True):
+    """Prompt text and image records -> (ids, token types or None, [ImageInput] or None).
+
+    vision=False: the vision tower is not built (--language-model-only), so images are an error."""
+    if records and margs.vision_n_layers <= 0:
+        raise InputError(f"{where}: {len(records)} image(s) given, but this model has no vision tower "
+                         f"(vision_n_layers = 0)")
+    if records and not vision:
+        raise InputError(f"{where}: {len(records)} image(s) given, but --language-model-only skips the vision "
+                         f"tower (drop the flag to use images)")
+    if records:
+        # The encoder writes <｜deepseek_image｜>; the tokenizer may spell id image_token_id differently.
+        text = text.replace(IMAGE_PLACEHOLDER, image_token_spelling(tokenizer, IMAGE_PLACEHOLDER,
+                                                                    margs.image_token_id))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    try:
+        ids, types, images = prepare_vl_inputs(ids, records, margs)
+    except VisionError as e:
+        raise InputError(f"{where}: {e}") from None
+    return ids, (types if images else None), (images or None)
+
+
+def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
+                       vision: bool = True) -> List[Prompt]:
+    """A `.json` case file or a blank-line-separated text file -> prompts (cli.md §2.5)."""
+    if not os.path.isfile(path):
+        raise InputError(f"input file not found: {path}")
+    if path.endswith(".json"):
+        cases = load_cases(path)
+        raws = [to_json(case["messages"]) for case in cases]
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read().rstrip("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"cannot read input file {path}: {e}") from None
+        raws = text.split("\n\n")   # official: every "\n\n" splits, even inside longer runs of newlines
+        cases = []
+        for n, chunk in enumerate(raws):
+            try:
+                cases.append({"messages": [{"role": "user", "content": parse_tagged_text(chunk)}]})
+            except EncodingError as e:
+                raise InputError(f"{path}: prompt {n + 1}: {e}") from None
+    prompts = []
+    for n, (case, raw) in enumerate(zip(cases, raws)):
+        where = f"{path}: prompt {n + 1}"
+        if case.get("context"):
+            raise InputError(f"{where}: Standalone inference does not support context without a prefilled "
+                             f"KV cache")
+        if case.get("reasoning_effort") is None:
+            case["reasoning_effort"] = effort
+        mode = case.get("thinking_mode") or thinking_mode
+        try:
+            text, records = encode_case(case, thinking_mode)
+        except EncodingError as e:
+            raise InputError(f"{where}: {e}") from None
+        ids, types, images = tokenize_prompt(tokenizer, margs, text, records, where, vision)
+        prompts.append(Prompt(raw, ids, mode, types, images))
+    check_prompt_lengths([len(p.ids) for p in prompts], margs.max_seq_len)
+    return prompts
+
+
+def encode_turn(messages: List[Dict[str, Any]], line: str, tokenizer, margs: ModelArgs, thinking_mode: str,
+                effort, vision: bool = True) -> Tuple[Dict[str, Any], Prompt]:
+    """An interactive line after the conversation so far -> (the user message, the whole conversation as a
+    prompt). <image>path</image> tags become image blocks; every turn prefills the whole conversation from
+    position 0, so the images of earlier turns are loaded again and their spans re-expanded."""
+    message = {"role": "user", "content": parse_tagged_text(line)}
+    text, data = encode_messages(messages + [message], thinking_mode, reasoning_effort=effort,
+                                 return_multi_modal_data=True)
+    ids, types, images = tokenize_prompt(tokenizer, margs, text, data["images"], "prompt", vision)
+    check_prompt_lengths([len(ids)], margs.max_seq_len)
+    return message, Prompt(line, ids, thinking_mode, types, images)
+
+
+def parse_completion(text: str, reason: str, thinking_mode: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """Assistant message of a completion, and why the strict parser was bypassed (None if it was not).
+
+    The official loop hands the parser a text without EOS, so it fails on every plain reply (cli.md §2.4):
+    re-append EOS when generation stopped on it; otherwise keep the raw text.
+    """
+    problem = None
+    if reason == "eos":
+        try:
+            return parse_message_from_completion_text(text + EOS_TEXT, thinking_mode), None
+        except ParseError as e:
+            problem = f"the completion does not parse ({e})"
+    else:
+        problem = "the token budget ran out before the end of the reply"
+    reasoning, content = "", text
+    if thinking_mode == "thinking":
+        reasoning, sep, content = text.partition(THINK_END)
+        if not sep:
+            reasoning, content = text, ""
+    message = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": []}
+    return message, problem
+
+
+
+def vision_inputs(prompts: List[Prompt]) -> Tuple[Optional[list], Optional[list]]:
+    """Per row: token types (TEXT = -1 for text rows) and images; None, None if no prompt has images."""
+    if not any(p.images for p in prompts):
+        return None, None
+    return [p.token_types or [-1] * len(p.ids) for p in prompts], [p.images or [] for p in prompts]
+
+
+SCORE_FORMAT = ('{"sequences": [[ids...] | {"messages": [...], "tools"?, "thinking_mode"?, '
+                '"reasoning_effort"?, "completion"?}, ...], "prefill_len": P}')
+
+
+def _score_case(item: Dict[str, Any], where: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
+                vision: bool) -> Tuple[List[int], Optional[List[int]], Optional[list]]:
+    """A scoring case given as messages -> (ids, token types or None, [ImageInput] or None).
+
+    The messages are encoded as a batch case (its own thinking_mode / reasoning_effort win), images expanded
+    with prepare_vl_inputs; the optional completion text is tokenized on its own and appended (type TEXT)."""
+    unknown = set(item) - {"messages", "tools", "thinking_mode", "reasoning_effort", "completion"}
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (expected {SCORE_FORMAT})")
+    if not isinstance(item.get("messages"), list) or not item["messages"]:
+        raise InputError(f"{where}: 'messages' must be a non-empty list of messages")
+    completion = item.get("completion", "")
+    if not isinstance(completion, str):
+        raise InputError(f"{where}: 'completion' must be a string, got {type(completion).__name__}")
+    messages = copy.deepcopy(item["messages"])
+    if item.get("tools"):
+        if not isinstance(messages[0], dict):
+            raise InputError(f"{where}: 'tools' needs a first message to attach to")
+        messages[0]["tools"] = copy.deepcopy(item["tools"])
+    case = {"messages": messages, "thinking_mode": item.get("thinking_mode"),
+            "reasoning_effort": effort if item.get("reasoning_effort") is None else item["reasoning_effort"]}
+    try:
+        text, records = encode_case(case, thinking_mode)
+    except EncodingError as e:
+        raise InputError(f"{where}: {e}") from None
+    ids, types, images = tokenize_prompt(tokenizer, margs, text, records, where, vision)
+    tail = tokenizer.encode(completion, add_special_tokens=False).ids if completion else []
+    return ids + tail, (types + [-1] * len(tail) if types is not None else None), images
+
+
+def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[ModelArgs] = None,
+                    thinking_mode: str = "chat", effort=None, vision: bool = True):
+    """S.json -> (sequences, prefill_len, token types per row or None, images per row or None).
+
+    A sequence is a list of token ids, or a case object with messages (image blocks allowed), encoded like a
+    batch case, plus an optional completion text appended after the prompt. Every image span must end
+    within the prefill chunk [0, prefill_len): images are only merged in the first forward."""
+    if not os.path.isfile(path):
+        raise InputError(f"score file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise InputError(f"{path}: not valid JSON: {e}") from None
+    items = data.get("sequences") if isinstance(data, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(s, dict) or isinstance(s, list) and s
+                                                           for s in items):
+        raise InputError(f"{path}: expected {SCORE_FORMAT} with non-empty sequences")
+    seqs, types, images = [], [], []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if tokenizer is None or margs is None:
+                raise InputError(f"{path}: sequence {i}: cases with messages need the tokenizer")
+            ids, row_types, row_images = _score_case(item, f"{path}: sequence {i}", tokenizer, margs,
+                                                     thinking_mode, effort, vision)
+        else:
+            ids, row_types, row_images = item, None, None
+        if not ids:
+            raise InputError(f"{path}: sequence {i} is empty")
+        if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            raise InputError(f"{path}: sequence {i} holds a value that is not a token id in [0, {vocab_size})")
+        seqs.append(ids)
+        types.append(row_types)
+        images.append(row_images)
+    shortest = min(len(s) for s in seqs)
+    p = data.get("prefill_len", shortest)
+    if type(p) is not int or not 1 <= p <= shortest:
+        raise InputError(f"{path}: prefill_len must be an int in 1..{shortest} (the shortest sequence), "
+                         f"got {p!r}")
+    if not any(images):
+        return seqs, p, None, None
+    for i, row in enumerate(images):
+        for k, im in enumerate(row or []):
+            end = im.start + im.n_tokens
+            if end > p:
+                raise InputError(f"{path}: sequence {i}: image {k} spans positions [{im.start}, {end}), "
+                               f"outside the first chunk [0, {p}): images are only merged in the prefill, "
+                               f"so prefill_len must be at least {end}")
+    return (seqs, p, [t if t is not None else [-1] * len(s) for t, s in zip(types, seqs)],
+            [row or [] for row in images])
+
+
+@dataclass
+class Completion:
+    text: str
+    message: Dict[str, Any]               # the parsed assistant message
+    warning: Optional[str]                # to print after the text
+    record: Dict[str, Any]                # the --output JSONL record
+
+
+def finish_completion(tokenizer, prompt: Prompt, completion: List[int], reason: str, where: str,
+                      warn_parse: bool, max_new_tokens: int) -> Completion:
+    """Decode and parse a completion (EOS excluded; reason "eos" or "length")."""
+    text = tokenizer.decode(completion, skip_special_tokens=False)
+    message, problem = parse_completion(text, reason, prompt.thinking_mode)
+    warning = None
+    if prompt.thinking_mode == "thinking" and reason == "length" and not message["content"]:
+        warning = (f"{where}: thinking used the whole --max-new-tokens budget ({max_new_tokens}) and the "
+                   f"answer is empty. This looks broken but isn't: raise --max-new-tokens or lower "
+                   f"--reasoning-effort")
+    elif problem and warn_parse:
+        warning = f"{where}: {problem}; keeping the raw text as the reply"
+    record = {"prompt": prompt.raw, "completion": text, "content": message["content"],
+              "reasoning_content": message["reasoning_content"], "tool_calls": message["tool_calls"],
+              "prompt_tokens": len(prompt.ids), "completion_tokens": len(completion) + (reason == "eos"),
+              "finish_reason": reason, "parse_error": problem}
+    return Completion(text, message, warning, record)
+

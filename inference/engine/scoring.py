@@ -1,0 +1,160 @@
+"""Teacher-forced scoring along the official generate loop (the interface for numeric parity checks), and
+block capture: every forward's Engram hashes, index selections and block outputs, for locating where two
+runs part (`inference.tools.parity compare-blocks`)."""
+import json
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .batch import prompt_buffer
+from .checkpoint import save_atomically
+from .errors import InputError
+from .generation import Stats, _timed
+from .prompts import check_prompt_lengths
+
+
+@torch.inference_mode()
+def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bool = False,
+          stats: Optional[Stats] = None, dspark: bool = False, token_types: Optional[List[List[int]]] = None,
+          images: Optional[list] = None) -> Dict[str, torch.Tensor]:
+    """Teacher-forced logits along the official generate loop: forward 0 runs [0, P), forward k the single
+    position P+k-1. logits[k, b] is NaN once row b has no token at that position.
+
+    images / token_types (as generate()): per row, its [ImageInput] and token types (TEXT = -1 for rows
+    without images); they go to the prefill only, so every image span must end within [0, P).
+
+    dspark: after every forward, DSpark's forward_spec with the next teacher token (the forward's own sampled
+    token where the row has none) and that forward's main_hidden, at its start_pos (fixture README §5):
+    forward 0 seeds the rings; forward k gives dspark_*[k-1] (NaN / -1 where logits[k, b] is NaN)."""
+    stats = stats if stats is not None else Stats()
+    device = next(model.parameters()).device
+    bsz, lens = len(seqs), [len(s) for s in seqs]
+    total = max(lens)
+    check_prompt_lengths(lens, model.args.max_seq_len)
+    vision = {}
+    try:
+        ids, types = prompt_buffer(seqs, total, "cpu", token_types if images and any(images) else None)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if types is not None:
+        if (types[:, prefill_len:] >= 0).any():
+            raise InputError("image spans must fit in the prefill chunk [0, prefill_len)")
+        vision = {"images": images, "token_types": types[:, :prefill_len].to(device)}
+    # Rows that already ended are fed their last token (any valid id would do).
+    fed = ids.clone()
+    for b, n in enumerate(lens):
+        fed[b, n:] = ids[b, n - 1]
+    fed = fed.to(device)
+    valid = torch.tensor([[p < n for n in lens] for p in range(prefill_len - 1, total)])   # [steps, B]
+
+    lens_t = torch.tensor(lens, device=device)
+    drafts = []
+
+    def draft(next_ids: torch.Tensor, hidden: torch.Tensor, pos: int, start_pos: int) -> None:
+        if not dspark:
+            return
+        nxt = fed[:, min(pos + 1, total - 1)]
+        nxt = torch.where(pos + 1 < lens_t, nxt, next_ids)
+        res = model.mtp.forward_spec(nxt, hidden, start_pos)
+        if res is not None:
+            drafts.append([t.cpu() for t in res])
+
+    next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, model,
+                                      fed[:, :prefill_len], 0, all_logits=all_prefill_logits, **vision)
+    out = {}
+    if all_prefill_logits:
+        out["prefill_logits"] = logits.float().cpu().contiguous()
+        logits = logits[:, -1]
+    draft(next_ids, hidden, prefill_len - 1, 0)
+    steps = [logits.float().cpu()]
+    for pos in range(prefill_len, total):
+        next_ids, logits, hidden = _timed(stats, "decode", bsz, device, model, fed[:, pos:pos + 1], pos)
+        steps.append(logits.float().cpu())
+        draft(next_ids, hidden, pos, pos)
+    step_logits = torch.stack(steps)                                    # [L - P + 1, B, V]
+    step_logits[~valid] = float("nan")
+    out["logits"] = step_logits.contiguous()
+    out["input_ids"] = ids
+    if dspark and drafts:
+        gone = ~valid[1:]                                               # [L - P, B]
+        draft_ids, draft_logits, confidence = (torch.stack(t) for t in zip(*drafts))
+        draft_ids[gone] = -1
+        draft_logits[gone] = float("nan")
+        confidence[gone] = float("nan")
+        out["dspark_draft_ids"] = draft_ids.contiguous()                # [L - P, B, blk + 1]
+        out["dspark_logits"] = draft_logits.float().contiguous()        # [L - P, B, blk, V]
+        out["dspark_confidence"] = confidence.float().contiguous()      # [L - P, B, blk]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block capture along the scoring protocol
+# ---------------------------------------------------------------------------------------------------------
+
+PER_LAYER = ("engram_out", "block_out", "block_pre_mix")   # one tensor per layer, stacked on a new dim 0
+
+
+class CaptureRecorder:
+    """Stands in for a Transformer: each call runs the model with `capture` and keeps that forward's tensors
+    on the CPU, one step per call. Everything else (args, mtp, parameters) is the model's."""
+
+    def __init__(self, model):
+        self.model = model
+        self.steps: List[Dict[str, torch.Tensor]] = []
+
+    def __getattr__(self, name):
+        if name == "model":    # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, **kwargs):
+        if self.model.ctx.par.rank != 0:     # every rank holds the same streams; rank 0 writes them
+            return self.model(input_ids, start_pos, **kwargs)
+        capture: Dict[str, List[torch.Tensor]] = {}
+        out = self.model(input_ids, start_pos, capture=capture, **kwargs)
+        step = {"input_ids": input_ids, "start_pos": torch.tensor([start_pos])}
+        for name, ts in capture.items():
+            t = torch.stack(ts) if name in PER_LAYER else ts[0]
+            step[name] = t.to(torch.uint8) if t.dtype == torch.bool else t    # U8 masks, as in the fixture
+        self.steps.append({k: t.to("cpu", copy=True).contiguous() for k, t in step.items()})
+        return out
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {f"step{k:02d}.{name}": t for k, step in enumerate(self.steps) for name, t in step.items()}
+
+    def metadata(self) -> Dict[str, str]:
+        a, opts = self.model.args, self.model.ctx.opts
+        numerics = "golden" if opts.golden else "fixed" if opts.fix_index_k_publish else "reference"
+        return {"format": "parity-capture", "steps": str(len(self.steps)), "numerics": numerics,
+                "world_size": str(self.model.ctx.par.world_size), "n_layers": str(a.n_layers),
+                "engram_layer_ids": json.dumps(list(a.engram_layer_ids)),
+                "candidate_source_layer": str(a.candidate_source_layer)}
+
+
+def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_path: str,
+                       score_fn: Optional[Callable] = None, **score_kw) -> Dict[str, torch.Tensor]:
+    """Run the scoring protocol of score() (forward 0 = prefill [0, P) at start_pos 0, forward k =
+    position P+k-1) and write every forward's block capture to `capture_path` (safetensors, rank 0, atomic).
+    Returns what score() returns, the --dump-logits tensors. score_fn defaults to score(); score_kw
+    are its other arguments (all_prefill_logits, stats, ...)."""
+    score_fn = score if score_fn is None else score_fn
+    recorder = CaptureRecorder(model)
+    out = score_fn(recorder, seqs, prefill_len, **score_kw)
+    if model.ctx.par.rank == 0:
+        save_atomically(recorder.tensors(), capture_path,
+                        dict(recorder.metadata(), prefill_len=str(prefill_len)))
+    return out
+
+
+def score_to_file(model, seqs: List[List[int]], prefill_len: int, path: str, metadata: Dict[str, str],
+                  capture_path: Optional[str] = None, **score_kw) -> Dict[str, torch.Tensor]:
+    """score() (with block capture when capture_path is given), the dump written by rank 0, atomically."""
+    if capture_path:
+        out = score_with_capture(model, seqs, prefill_len, capture_path, **score_kw)
+    else:
+        out = score(model, seqs, prefill_len, **score_kw)
+    if model.ctx.par.rank == 0:
+        save_atomically(out, path, dict(metadata, prefill_len=str(prefill_len),
+                                        world_size=str(model.ctx.par.world_size)))
+    return out
+

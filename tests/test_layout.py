@@ -1,0 +1,146 @@
+"""The floor plan: the project's imports form layers that only point down, with no circle.
+
+    config, parallel, safetensors_io  ->  kernels, quant  ->  layers, rope, hyper, sampling, state  ->
+    modules (attention, compressor, indexer, sparse_attn, moe, engram, vision, block, dspark)  ->  model  ->
+    engine  ->  tools  ->  the CLIs (generate.py, convert.py)
+
+Every import counts, also one inside a function. `encoding` (the chat format) stands beside the model: the
+engine and the CLIs use it, no model module does.
+"""
+import ast
+import os
+
+import pytest
+
+from conftest import ROOT
+
+# Lower number = lower layer. A module may import its own layer (no circle) or any layer below.
+LAYERS = [
+    ("base", ["inference.config", "inference.parallel", "inference.safetensors_io"]),
+    ("kernels", ["inference.kernels", "inference.quant"]),
+    ("layers", ["inference.layers", "inference.rope", "inference.hyper", "inference.sampling",
+                "inference.state"]),
+    ("modules", ["inference.attention", "inference.compressor", "inference.indexer", "inference.sparse_attn",
+                 "inference.moe", "inference.engram", "inference.vision", "inference.block",
+                 "inference.dspark"]),
+    ("model", ["inference.model"]),
+    ("encoding", ["encoding"]),
+    ("engine", ["inference.engine"]),
+    ("tools", ["inference.tools"]),
+    ("cli", ["generate", "convert"]),
+]
+
+
+def project_modules():
+    """module name -> file path, for every project .py outside tests/."""
+    mods = {}
+    for folder, _, files in os.walk(ROOT):
+        rel = os.path.relpath(folder, ROOT)
+        if rel != "." and rel.startswith((".", "tests", "demo")) or "__pycache__" in rel:
+            continue
+        for f in files:
+            if f.endswith(".py"):
+                parts = [] if rel == "." else rel.split(os.sep)
+                name = ".".join(parts + ([] if f == "__init__.py" else [f[:-3]]))
+                mods[name] = os.path.join(folder, f)
+    return mods
+
+
+def imports_of(name: str, path: str, known) -> set:
+    """Project modules that `name` imports (resolved to the longest known module name)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+
+    def add(target: str):
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")
+                pkg = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            for a in node.names:
+                add(f"{base}.{a.name}" if base else a.name)
+    return found
+
+
+def layer_of(module: str) -> int:
+    for n, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return n
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS in tests/test_layout.py")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = project_modules()
+    return {m: imports_of(m, p, mods) for m, p in mods.items()}
+
+
+def test_every_module_has_a_layer(graph):
+    for m in graph:
+        if m != "inference":
+            layer_of(m)
+
+
+def test_no_import_circle(graph):
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == "open":
+                circle = stack[stack.index(t):] + [t]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_imports_only_point_down(graph):
+    wrong = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+             for m, targets in graph.items() if m != "inference"
+             for t in targets if t != "inference" and layer_of(t) > layer_of(m)]
+    assert not wrong, "imports that point up:\n" + "\n".join(sorted(wrong))
+
+
+def test_model_modules_import_no_encoding_and_generate_no_tool(graph):
+    below_engine = [m for m in graph if m != "inference" and layer_of(m) <= layer_of("inference.model")]
+    assert not [m for m in below_engine if any(t.startswith("encoding") for t in graph[m])]
+    assert not [t for t in graph["generate"] if t.startswith("inference.tools")]
+    assert not [t for m in graph if m.startswith("inference.tools") for t in graph[m]
+                if t in ("generate", "convert")], "a tool imports a CLI"
+
+
+def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
+    """The checks above can fail: a made-up package with a circle and a model module importing the engine."""
+    pkg = tmp_path / "inference"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("from .engine import run\n")
+    (pkg / "engine" / "run.py").write_text("from ..model import x\n")
+    known = {"inference", "inference.model", "inference.engine", "inference.engine.run"}
+    assert imports_of("inference.model", str(pkg / "model.py"), known) == {"inference.engine.run"}
+    assert imports_of("inference.engine.run", str(pkg / "engine" / "run.py"), known) == {"inference.model"}
+    assert layer_of("inference.engine.run") > layer_of("inference.model")
+
+
+def test_generate_py_stays_a_thin_cli():
+    with open(os.path.join(ROOT, "generate.py"), encoding="utf-8") as f:
+        assert sum(1 for _ in f) <= 350
