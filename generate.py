@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash inference from the command line: interactive chat, prompt files, scoring.
 
-    torchrun --nproc-per-node W generate.py --ckpt-path DIR --config config.json --interactive | --input-file F
-    torchrun --nproc-per-node W generate.py --ckpt-path DIR --config config.json --score S.json --dump-logits OUT
+    torchrun --nproc-per-node W generate.py --ckpt-path D --config config.json --interactive | --input-file F
+    torchrun --nproc-per-node W generate.py --ckpt-path D --config config.json --score S.json --dump-logits X
 
 The command line only: options, process-group set-up, reading prompts, printing; inference/engine/ runs the
 model. Rank 0 reads every input and prints; the other ranks receive each prompt or command by broadcast, so
@@ -24,16 +24,14 @@ from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import CheckpointError, check_checkpoint_dir, check_writable, load_model
 from inference.engine.errors import InputError
 from inference.engine.generation import Runner, SpecOptions
-from inference.engine.prompts import Prompt, check_prompt_lengths, encode_turn, read_batch_prompts, read_score_file
+from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn, read_batch_prompts,
+                                      read_score_file)
 from inference.engine.scoring import score_to_file
 from inference.engram import EngramError
 from inference.parallel import ParallelContext, RankLog
 from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
-# Official runtime limits: batch mode keeps the ModelArgs defaults, interactive mode uses these.
-INTERACTIVE_MAX_BATCH_SIZE = 1
-INTERACTIVE_MAX_SEQ_LEN = 65536
 
 
 CLIError = InputError   # bad options or input: reported as one line
@@ -126,10 +124,6 @@ def interactive_mode(sess: Session) -> None:
             break
 
 
-def _effort(value: str):
-    return int(value) if value.lstrip("-").isdigit() else value
-
-
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="DeepSeek-V4.1-Flash inference (launch with torchrun for W > 1).")
     add = p.add_argument
@@ -138,18 +132,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--config", required=True, help="inference config.json (flat, reference key names)")
     add("--input-file", default="", help="batch input: a .json case file, or a text file of prompts "
         "separated by blank lines")
-    add("--interactive", action="store_true", help="chat REPL: /clear starts over, /exit or end of input quits")
+    add("--interactive", action="store_true", help="chat REPL: /clear starts over; /exit quits")
     add("--max-new-tokens", type=int, default=200, help="completion budget per prompt (default 200)")
     add("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default 1.0)")
     add("--thinking-mode", choices=["chat", "thinking"], default="chat",
         help="chat encoding mode (default chat); a JSON case's own thinking_mode wins")
-    add("--reasoning-effort", type=_effort, default=None, help="thinking effort: an int 1..100 or low / high "
-        "/ max (default: high = 75); a JSON case's own reasoning_effort wins")
+    add("--reasoning-effort", type=lambda v: int(v) if v.lstrip("-").isdigit() else v, default=None,
+        help="thinking effort: 1..100 or low / high / max (default high = 75); a JSON case's own wins")
     add("--max-batch-size", type=int, default=None,
         help="prompts per forward pass (default: the config's, else 4; interactive 1)")
     add("--max-seq-len", type=int, default=None,
         help="longest prompt + completion (default: the config's, else 4096; interactive 65536)")
-    add("--seed", type=int, default=DEFAULT_SEED, help=f"RNG seed, the same on every rank (default {DEFAULT_SEED})")
+    add("--seed", type=int, default=DEFAULT_SEED, help=f"RNG seed, every rank (default {DEFAULT_SEED})")
     add("--numerics", choices=["reference", "fixed", "golden"], default="reference",
         help="reference = the official numerics, defects included; fixed = --fix-index-k; golden = fp32 "
         "weights and activations, no fake quantization (a baseline)")
@@ -200,7 +194,8 @@ def check_options(o: argparse.Namespace) -> None:
         (not score_mode and not o.interactive and not o.input_file,
          "Either input-file or interactive mode must be specified"),
         (o.all_prefill_logits and not o.score, "--all-prefill-logits needs --score"),
-        (o.dspark and not o.score, "--dspark needs --score (for speculative generation use --speculative dspark)"),
+        (o.dspark and not o.score,
+         "--dspark needs --score (for speculative generation use --speculative dspark)"),
         (o.speculative != "none" and o.score,
          "--speculative is for generation; scoring mode runs the draft head with --dspark"),
         (spec_flags and o.speculative == "none", f"{', '.join(spec_flags)} need(s) --speculative dspark"),
@@ -223,8 +218,8 @@ def check_options(o: argparse.Namespace) -> None:
 
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     overrides = {"temperature": o.temperature}
-    if o.interactive:
-        overrides.update(max_batch_size=INTERACTIVE_MAX_BATCH_SIZE, max_seq_len=INTERACTIVE_MAX_SEQ_LEN)
+    if o.interactive:   # the official interactive limits (batch mode keeps the config's)
+        overrides.update(max_batch_size=1, max_seq_len=65536)
     if o.max_batch_size is not None:
         overrides["max_batch_size"] = o.max_batch_size
     if o.max_seq_len is not None:

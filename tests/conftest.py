@@ -8,18 +8,18 @@ import sys
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SHARED = os.path.join(os.path.dirname(ROOT), "shared")
-FIXTURE = os.path.join(SHARED, "fixtures", "reference-tiny")
-ENCODING_FIXTURES = os.path.join(SHARED, "fixtures", "encoding")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+FIXTURE = os.path.join(FIXTURES, "reference-tiny")           # DeepSeek's own code on a tiny checkpoint
+FIXTURE_CPU2 = os.path.join(FIXTURES, "reference-tiny-cpu2")  # the same run on a second CPU
+ENCODING_FIXTURES = os.path.join(FIXTURES, "encoding")
 
 
-def need_shared(path: str) -> str:
-    if not os.path.exists(path):
-        pytest.skip(f"../shared is absent: {path} not found (CI places shared/ beside the checkout)")
+def fixture_file(path: str) -> str:
+    """A file the repository ships: its absence is a broken checkout, never a reason to skip."""
+    assert os.path.exists(path), f"{path} is missing: the fixtures ship with the repository (tests/fixtures/)"
     return path
 
 
@@ -32,9 +32,8 @@ def free_port() -> int:
 
 
 def fixture_model(opts=None, **overrides):
-    """The reference-tiny checkpoint in a Transformer (W = 1), config keys overridden by `overrides`;
-    skips when ../shared is absent."""
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    """The reference-tiny checkpoint in a Transformer (W = 1), config keys overridden by `overrides`."""
+    fixture_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     from encoding.tokenizer import load_tokenizer
     from inference.engine.checkpoint import load_checkpoint
     from inference.config import ModelArgs
@@ -48,4 +47,4 @@ def fixture_model(opts=None, **overrides):
 def fixture_tensors(name: str):
     """A safetensors file of the fixture, e.g. reference_logits or intermediates."""
     from safetensors.torch import load_file
-    return load_file(need_shared(os.path.join(FIXTURE, f"{name}.safetensors")))
+    return load_file(fixture_file(os.path.join(FIXTURE, f"{name}.safetensors")))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_file
 
 import convert
 from inference.config import ModelArgs
@@ -170,7 +170,7 @@ def test_writer_bytes_match_save_file(tmp_path):
 
 
 def test_mp1_matches_fixture_layout(tmp_path):
-    need_shared(FIXTURE)
+    fixture_file(FIXTURE)
     args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
     hf = tmp_path / "hf"
     write_synthetic_checkpoint(args, str(hf), shards=4, tokenizer_dir=FIXTURE)

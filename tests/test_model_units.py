@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_file
 from inference.engine.checkpoint import CheckpointError, load_checkpoint
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.model import Block, Transformer
@@ -82,7 +82,7 @@ def test_layer_roles_released():
 
 @pytest.fixture(scope="module")
 def fixture_tensors():
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    fixture_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     from safetensors.torch import load_file
     return load_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
 

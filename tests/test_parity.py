@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, ROOT, fixture_model, need_shared
+from conftest import FIXTURE, ROOT, fixture_model, fixture_file
 from inference.engine.checkpoint import save_atomically
 from inference.engine.scoring import score_with_capture
 from inference.tools import parity
@@ -30,7 +30,7 @@ def build_fixture_model(numerics: str):
 def runs(tmp_path_factory):
     """Scoring runs of the fixture's score.json with block captures: reference and golden numerics, and the
     reference model with expert 0's w2 in block 4 scaled by 8 (UE8M0 scale bytes + 3: exact)."""
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    fixture_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     tmp = tmp_path_factory.mktemp("parity")
     with open(os.path.join(FIXTURE, "score.json")) as f:
         spec = json.load(f)
@@ -287,7 +287,7 @@ def run_generate(args, nproc):
 def test_mp1_vs_mp2_dumps_on_a_synthetic_model(tmp_path):
     import convert
     from inference.tools.synthetic import write_synthetic_checkpoint
-    need_shared(os.path.join(FIXTURE, "tokenizer.json"))
+    fixture_file(os.path.join(FIXTURE, "tokenizer.json"))
     with open(os.path.join(FIXTURE, "config.json")) as f:
         config = json.load(f)
     for runtime_key in ("max_batch_size", "temperature"):

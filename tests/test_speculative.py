@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, need_shared
+from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, fixture_file
 
 import generate
 from inference.engine import generation
@@ -172,7 +172,7 @@ def test_greedy_rule():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A tiny model: the demo's layer roles (fixture config when ../shared is present, else demo/config.json),
+# A tiny model: the fixture's config and tokenizer,
 # window 16, draft block 5, binding top-k, max_seq_len so that generation runs into it
 # ---------------------------------------------------------------------------------------------------------
 
@@ -183,9 +183,7 @@ def ckpt(tmp_path_factory):
     from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("spec")
-    small = os.path.isdir(FIXTURE)
-    src = os.path.join(FIXTURE, "config.json") if small else os.path.join(ROOT, "demo", "config.json")
-    with open(src) as f:
+    with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
         config = json.load(f)
     for key in ("max_batch_size", "temperature"):
         config.pop(key, None)
@@ -195,11 +193,7 @@ def ckpt(tmp_path_factory):
     cfg.write_text(json.dumps(config, indent=1))
     tok = root / "tok"
     tok.mkdir()
-    if small:
-        shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
-    else:
-        from encoding.tokenizer import write_v41_tokenizer
-        write_v41_tokenizer(str(tok))
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
     (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
     write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=7, shards=1,
                                tokenizer_dir=str(tok))
@@ -529,7 +523,7 @@ def test_cli_spec_k_larger_than_the_block(ckpt):
 # ---------------------------------------------------------------------------------------------------------
 
 def test_score_dspark_matches_reference_fixture(tmp_path):
-    fixture = need_shared(FIXTURE)
+    fixture = fixture_file(FIXTURE)
     out = tmp_path / "score.safetensors"
     proc = run_cli(["--ckpt-path", fixture, "--config", os.path.join(fixture, "config.json"),
                     "--device", "cpu", "--score", os.path.join(fixture, "score.json"),

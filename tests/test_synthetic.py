@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, need_shared
+from conftest import FIXTURE, ROOT, fixture_file
 
 from inference.config import ModelArgs
 from inference.safetensors_io import tensor_nbytes
@@ -137,7 +137,7 @@ def test_write_formats_and_determinism(tmp_path):
 
 
 def test_cli(tmp_path):
-    need_shared(FIXTURE)
+    fixture_file(FIXTURE)
     out = tmp_path / "hf"
     config = os.path.join(FIXTURE, "config.json")
     r = subprocess.run([sys.executable, "-m", "inference.tools.synthetic", "--config", config,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FIXTURE, free_port, need_shared
+from conftest import FIXTURE, free_port, fixture_file
 
 WORLD = 2
 
@@ -75,7 +75,7 @@ def _worker(rank, port, ckpt, result_path):
 
 
 def test_tp2_matches_reference(tmp_path):
-    need_shared(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    fixture_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     from safetensors.torch import load_file, save_file
     full = load_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     for rank in range(WORLD):

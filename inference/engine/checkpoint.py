@@ -1,4 +1,4 @@
-"""Strict, streaming loader for the converted `model{rank}-mp{world}.safetensors` files (checkpoint.md §4)."""
+"""Strict, streaming loader for the converted `model{rank}-mp{world}.safetensors` files."""
 import glob
 import os
 import re
@@ -49,7 +49,8 @@ def check_checkpoint_dir(ckpt_dir: str, world_size: int, need_eos: bool = True) 
     for name in ["tokenizer.json"] + (["tokenizer_config.json"] if need_eos else []):
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"tokenizer file not found: {path} (convert.py copies it with --tokenizer-path)")
+            raise CheckpointError(f"tokenizer file not found: {path} "
+                                  f"(convert.py copies it with --tokenizer-path)")
 
 
 def check_writable(path: str) -> None:

@@ -159,7 +159,8 @@ class Runner:
             chunk = prompts[start:start + size]
             yield from zip(chunk, self.run(chunk, [f"prompt {start + n + 1}" for n in range(len(chunk))]))
 
-    def run(self, prompts: List[Prompt], names: List[str], always_warn: bool = False) -> List[Optional[Completion]]:
+    def run(self, prompts: List[Prompt], names: List[str],
+            always_warn: bool = False) -> List[Optional[Completion]]:
         """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
         other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn."""
         ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats, self.spec,

@@ -43,8 +43,8 @@ def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where
         raise InputError(f"{where}: {len(records)} image(s) given, but this model has no vision tower "
                          f"(vision_n_layers = 0)")
     if records and not vision:
-        raise InputError(f"{where}: {len(records)} image(s) given, but --language-model-only skips the vision "
-                         f"tower (drop the flag to use images)")
+        raise InputError(f"{where}: {len(records)} image(s) given, but --language-model-only skips the "
+                         f"vision tower (drop the flag to use images)")
     if records:
         # The encoder writes <｜deepseek_image｜>; the tokenizer may spell id image_token_id differently.
         text = text.replace(IMAGE_PLACEHOLDER, image_token_spelling(tokenizer, IMAGE_PLACEHOLDER,
@@ -205,7 +205,8 @@ def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[
         if not ids:
             raise InputError(f"{path}: sequence {i} is empty")
         if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
-            raise InputError(f"{path}: sequence {i} holds a value that is not a token id in [0, {vocab_size})")
+            raise InputError(f"{path}: sequence {i} holds a value that is not a token id in "
+                             f"[0, {vocab_size})")
         seqs.append(ids)
         types.append(row_types)
         images.append(row_images)

@@ -3,7 +3,7 @@
     python -m inference.tools.bench                       # tiny (fixture-shaped) and large random models
     python -m inference.tools.bench --models large --contexts 1024,8192 --decode-steps 8
 
-Each model is a synthetic random checkpoint in the real formats (inference.tools.synthetic + convert.py, cached
+Each model is a synthetic random checkpoint in the real formats (tools/synthetic.py + convert.py, cached
 under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
 """
 import argparse
@@ -72,8 +72,8 @@ def build(name: str, args: ModelArgs, workdir: str, device: str):
     if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
         # convert.py as a user runs it (a tool never imports a CLI)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        subprocess.run([sys.executable, os.path.join(root, "convert.py"), "--hf-ckpt-path", hf, "--save-path", ckpt,
-                        "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, os.path.join(root, "convert.py"), "--hf-ckpt-path", hf,
+                        "--save-path", ckpt, "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
     model = Transformer(args, device=device, tokenizer=load_tokenizer(ckpt))
     load_checkpoint(model, ckpt)
     return model

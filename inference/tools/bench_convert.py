@@ -1,6 +1,7 @@
 """Benchmark convert.py against plain `cp` on the same disk (not a test).
 
-    python -m inference.tools.bench_convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB] [--cold]
+    python -m inference.tools.bench_convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB]
+                                            [--cold]
 
 Generates a synthetic HF checkpoint of about --size-gb (a scaled-up config with the released proportions:
 mostly MXFP4 experts and FP8, Engram tables about a third), copies its shards with `cp` (then fsync, as

@@ -184,7 +184,8 @@ def _read_json(path: str) -> ScoreFile:
     out, kinds = ScoreFile(path, ""), set()
     for i, req in enumerate(requests if isinstance(requests, list) else [requests]):
         if not isinstance(req, dict):
-            raise ParityError(f"{path}: request {i} is not a JSON object (`python -m inference.tools.parity -h`)")
+            raise ParityError(f"{path}: request {i} is not a JSON object "
+                              f"(`python -m inference.tools.parity -h`)")
         req = req.get("meta_info", req)
         if "prompt_logprobs" in req:
             kinds.add("vLLM prompt_logprobs")
