@@ -452,11 +452,15 @@ _RECAST_TABLE = None
 
 def _recast_table() -> np.ndarray:
     """[offset - MIN_OFFSET, packed byte] -> the two E4M3 bytes (as '<u2', even column first) of
-    e4m3(E2M1(code) * 2^offset) for both nibbles. Offsets below MIN_OFFSET give zeros as well."""
+    e4m3(E2M1(code) * 2^offset) for both nibbles. Offsets below MIN_OFFSET give zeros as well (signed)."""
     global _RECAST_TABLE
     if _RECAST_TABLE is None:
         offsets = np.arange(MIN_OFFSET, MAX_OFFSET_BITS + 1)
-        per_code = _encode_e4m3(np.array(E2M1_VALUES)[None, :] * np.exp2(offsets)[:, None])
+        # The E2M1 code 0x8 (-0) becomes +0 (byte 0x00), as the official converter writes it: equal values,
+        # and the bytes too. A negative value that underflows keeps its sign (0x80), as a float cast does.
+        values = np.array(E2M1_VALUES)
+        values[8] = 0.0
+        per_code = _encode_e4m3(values[None, :] * np.exp2(offsets)[:, None])
         b = np.arange(256)
         _RECAST_TABLE = (per_code[:, b & 0xF].astype("<u2") | (per_code[:, b >> 4].astype("<u2") << 8))
     return _RECAST_TABLE

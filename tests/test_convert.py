@@ -34,6 +34,9 @@ SMALL = dict(
     vision_dim=64, vision_n_heads=2, vision_inter_dim=96,
 )
 E2M1 = torch.tensor(convert.E2M1_VALUES)
+# The official converter decodes the E2M1 code 0x8 (-0) as +0.0, so its FP8 recast writes byte 0x00 there.
+E2M1_OFFICIAL = E2M1.clone()
+E2M1_OFFICIAL[8] = 0.0
 
 
 def quiet(*_):
@@ -120,15 +123,15 @@ def official_convert(hf_dir, out_dir, world, expert_dtype=None):
         save_file(tensors, os.path.join(out_dir, f"model{r}-mp{world}.safetensors"))
 
 
-def unpack_fp4(packed):
+def unpack_fp4(packed, table=E2M1):
     u = packed.view(torch.uint8)
     codes = torch.stack([u & 0xF, u >> 4], -1).view(u.shape[0], -1)
-    return E2M1[codes.long()]
+    return table[codes.long()]
 
 
 def recast_reference(w, s):
-    """checkpoint.md §3.5 in float arithmetic: S = max_n s / 2^6, value = e4m3(E2M1 * s / S)."""
-    vals = unpack_fp4(w)
+    """The official recast in float arithmetic: S = max_n s / 2^6, value = e4m3(E2M1 * s / S)."""
+    vals = unpack_fp4(w, E2M1_OFFICIAL)
     n, k = vals.shape
     sf = s.float()
     big = sf.view(n // 32, 32, k // 32).amax(1) / 64
@@ -258,6 +261,31 @@ def test_fp8_recast_wide_scale_spread(tmp_path):
     for r in range(2):
         name = f"model{r}-mp2.safetensors"
         assert read_bytes(tmp_path / "out" / name) == read_bytes(tmp_path / name)
+
+
+def test_fp8_recast_sign_of_zero(tmp_path):
+    """E2M1 -0 (code 0x8) becomes E4M3 +0 (byte 0x00) as in the official converter; a negative value too
+    small for E4M3 becomes -0 (0x80), as a float cast makes it; +0 stays 0x00."""
+    w = torch.zeros(64, 32, dtype=torch.uint8)
+    w[:, 0] = 0x88                  # two -0 codes
+    w[:, 1] = 0x00                  # two +0 codes
+    w[:, 2] = 0x99                  # -0.5, -0.5
+    scales = torch.full((64, 2), 127, dtype=torch.uint8)
+    scales[1, :] = 127 + 40         # row 1 sets the block scale: 2^40 / 2^6 = 2^34, so other rows underflow
+    tensors = {"layers.0.ffn.experts.0.w1.weight": w.view(torch.int8),
+               "layers.0.ffn.experts.0.w1.scale": scales.view(torch.float8_e8m0fnu),
+               "layers.0.ffn.experts.1.w1.weight": w.clone().view(torch.int8),
+               "layers.0.ffn.experts.1.w1.scale": scales.clone().view(torch.float8_e8m0fnu)}
+    hf = write_ckpt(tmp_path / "hf", tensors)
+    run_convert(hf, tmp_path / "out", 1, expert_dtype="fp8")
+    out = load_file(tmp_path / "out" / "model0-mp1.safetensors")["layers.0.ffn.experts.0.w1.weight"]
+    b = out.view(torch.uint8)
+    assert (b[:, 0:2] == 0x00).all() and (b[:, 2:4] == 0x00).all()     # -0 and +0 codes: +0
+    assert (b[0, 4:6] == 0x80).all()              # -0.5 * 2^-34: underflows to -0
+    assert (b[1, 4:6] == 0xE0).all()              # -0.5 * 2^40 / 2^34 = -32: sign, exponent 5 + 7
+    official_convert(str(hf), str(tmp_path), 1, expert_dtype="fp8")
+    assert read_bytes(tmp_path / "out" / "model0-mp1.safetensors") == \
+        read_bytes(tmp_path / "model0-mp1.safetensors")
 
 
 def test_dry_run_writes_nothing(small_hf, tmp_path, capsys):
