@@ -1,0 +1,173 @@
+"""The CPU-exact torch kernels: the reference's rounding points *and* its summation order.
+
+These functions define the numbers the project reproduces bit for bit on CPU: activation quantization, the
+quantize-dequantize round trips of the caches, the block-scaled FP8/FP4 GEMM (per-32 partial sums added one
+block at a time in increasing K order), sparse attention with a sink (online softmax over 64-entry chunks,
+each q.k summed in head-dim order), the hyper-connection Sinkhorn split and the indexer's head-weighted
+scores. They are written for clarity and exactness, not speed: `fast.py` has loop-free versions with the same
+rounding points, and `tilelang_ops.py` the fused GPU kernels. Model code reaches all three through the
+dispatch in `inference/kernels/__init__.py`.
+"""
+import torch
+
+from ..quant import C6, C448, FP4_MAX, FP8_MAX, ceil_pow2, e2m1_round
+
+CHUNK = 64  # sparse attention walks each index list in blocks of 64 entries
+
+
+def _group(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.unflatten(-1, (x.shape[-1] // block, block))
+
+
+# ---- quantizers (bit-exact on every route) ----
+
+def act_quant(x: torch.Tensor, block: int = 32):
+    """Per-`block` FP8 quantization along the last dim with power-of-two scales.
+
+    Returns (q float8_e4m3fn [..., K], s fp32 [..., K/block]).
+    """
+    g = _group(x.float(), block)                                   # [..., K/b, b]
+    amax = g.abs().amax(-1).clamp_min(1e-4)
+    s = ceil_pow2(amax * C448)                                     # [..., K/b]
+    q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+def fp8_qdq_(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """In-place FP8 fake-quant (window KV): x <- bf16(e4m3(x/s) * s)."""
+    q, s = act_quant(x, block)
+    x.copy_((_group(q.float(), block) * s.unsqueeze(-1)).flatten(-2))
+    return x
+
+
+def fp4_qdq_e8m0_(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """In-place FP4 fake-quant with power-of-two scales per 32 (indexer queries and keys)."""
+    g = _group(x.float(), block)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0 ** -126)
+    s = ceil_pow2(amax * C6)
+    v = (g / s).clamp(-FP4_MAX, FP4_MAX)
+    x.copy_((e2m1_round(v) * s).flatten(-2))
+    return x
+
+
+def fp4_qdq_e4m3_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """In-place FP4 fake-quant with E4M3 scales per 16 (compressed KV latents); s is not a power of two."""
+    g = _group(x.float(), block)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0 ** -9)
+    s = (amax / 6.0).clamp_max(FP8_MAX).to(torch.float8_e4m3fn).float()
+    v = (g / s).clamp(-FP4_MAX, FP4_MAX)
+    x.copy_((e2m1_round(v) * s).flatten(-2))
+    return x
+
+
+# ---- block-scaled GEMM ----
+
+def block_scaled_gemm(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, max_bytes: int = 1 << 27):
+    """FP8 x FP8 / FP8 x FP4 GEMM semantics: act_quant(x), exact per-32 block products summed in fp32,
+    block partials added in increasing K order, output rounded to bf16.
+
+    `w_deq` is the dequantized fp32 weight [N, K]; with power-of-two activation scales the scaled block
+    products are the same numbers the kernel forms.
+    """
+    q, s = act_quant(x, block)
+    a = (_group(q.float(), block) * s.unsqueeze(-1))                # [..., K/b, b]
+    lead = a.shape[:-2]
+    a = a.reshape(-1, a.shape[-2], block).transpose(0, 1)           # [K/b, M, b]
+    n = w_deq.shape[0]
+    wb = w_deq.view(n, -1, block).permute(1, 2, 0)                  # [K/b, b, N]
+    kb, m = a.shape[0], a.shape[1]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    rows = max(1, max_bytes // max(1, kb * n * 4))
+    for r0 in range(0, m, rows):
+        parts = torch.bmm(a[:, r0:r0 + rows], wb)                   # [K/b, rows, N]
+        acc = parts[0].clone()
+        for i in range(1, kb):
+            acc += parts[i]
+        out[r0:r0 + rows] = acc
+    return out.to(torch.bfloat16).view(*lead, n)
+
+
+# ---- sparse attention with a sink ----
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
+                q_block: int = 64) -> torch.Tensor:
+    """q [B, M, H, D] bf16, kv [B, N, D] bf16 (K = V), sink [H] fp32, idx [B, M, T] int32 (-1 = none).
+
+    Online softmax over 64-entry chunks in list order; probabilities are rounded to V's dtype, bf16 (relative
+    to the running max), before P.V; the sink logit enters only the denominator. Returns [B, M, H, D] bf16.
+    With fp32 q and kv (golden numerics) nothing is rounded and the output is fp32.
+    """
+    b, m, h, d = q.shape
+    out = torch.empty_like(q)
+    for m0 in range(0, m, q_block):  # bound the gathered KV memory
+        out[:, m0:m0 + q_block] = _attend(q[:, m0:m0 + q_block], kv, sink, idx[:, m0:m0 + q_block], scale)
+    return out
+
+
+def _dot_in_order(qf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Scores q.k [B, M, H, C]: the exact bf16 products summed in fp32 one at a time, in d order. That order
+    reproduces the reference's near-tie bf16 roundings of p; a blocked GEMM (einsum) flips some of them
+    (layer-isolated block_pre_mix max diff 4.3e-4 instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0)."""
+    s = torch.zeros(*qf.shape[:-1], rows.shape[-2], dtype=torch.float32, device=qf.device)
+    for k in range(qf.shape[-1]):
+        s += qf[..., k:k + 1] * rows[..., k].unsqueeze(-2)
+    return s
+
+
+def _attend(q, kv, sink, idx, scale):
+    b, m, h, d = q.shape
+    t = idx.shape[-1]
+    mx = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
+    den = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
+    qf = q.float()
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    for c0 in range(0, t, CHUNK):
+        ic = idx[:, :, c0:c0 + CHUNK].long()                        # [B, M, C]
+        valid = ic >= 0
+        rows = kv[batch, ic.clamp_min(0)].float()                   # [B, M, C, D]
+        s = _dot_in_order(qf, rows) * scale                         # [B, M, H, C] fp32
+        s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        new_mx = torch.maximum(mx, s.amax(-1))
+        alpha = torch.exp(mx - new_mx)
+        p = torch.exp(s - new_mx.unsqueeze(-1))
+        den = den * alpha + p.sum(-1)
+        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), rows)      # the kernel's P cast
+        acc = acc * alpha.unsqueeze(-1) + pv
+        mx = new_mx
+    den = den + torch.exp(sink.float().view(1, 1, h) - mx)
+    return (acc / den.unsqueeze(-1)).to(q.dtype)
+
+
+# ---- hyper-connection Sinkhorn split ----
+
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                      iters: int, eps: float):
+    """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]: sigmoid gates
+    for pre (+eps) and post (x2), and comb made doubly stochastic by a row softmax then `iters` alternating
+    column / row normalizations (the first row pass is the softmax itself)."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = mixes[..., 2 * hc:].unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = comb.softmax(-1) + eps                                   # row softmax + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)                # column pass
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+# ---- indexer scores ----
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
+                 max_elems: int = 1 << 26) -> torch.Tensor:
+    """sum_h ReLU(q_h . k) * w_h in bf16: per-head scores rounded to bf16, products rounded to bf16, one
+    reduction over heads. q [B, S, H, D], keys [B, T, D], w [B, S, H] -> [B, S, T] bf16. Long prefills are
+    processed in query chunks to bound the [S, H, T] intermediate."""
+    b, s, h, _ = q.shape
+    rows = max(1, max_elems // max(1, b * h * keys.shape[1]))
+    parts = []
+    for s0 in range(0, s, rows):
+        score = torch.einsum("bshd,btd->bsht", q[:, s0:s0 + rows], keys)        # bf16 out, fp32 accumulation
+        parts.append((score.relu_() * w[:, s0:s0 + rows].unsqueeze(-1)).sum(dim=2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -1,0 +1,363 @@
+"""The kernel dispatch (inference/kernels): the route a call takes, the exact route being the reference
+kernels, the fast route's distance from it within bounds derived from the arithmetic, the fast route end to
+end on the fixture, and a fast decode step free of Python loops over head_dim, K blocks, experts or tokens.
+
+Bounds. u = 2^-24 is fp32's unit roundoff; a bf16 value's spacing is at most 2^-7 of its magnitude, so
+rounding to bf16 moves a value by at most 2^-8 of it. Summing n terms in fp32 in any order lands within
+(n - 1) u sum|terms| of the true sum; two orders are therefore within 2 (n - 1) u sum|terms| of each other.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import FIXTURE, ROOT, fixture_file, fixture_model, fixture_tensors
+from inference import kernels
+from inference.config import ConfigError, ModelArgs, RuntimeOptions
+from inference.kernels import fast, reference
+from inference.layers import Linear
+from inference.parallel import ParallelContext
+from inference.quant import dequant_fp4_weight, dequant_fp8_weight
+
+U = 2.0 ** -24
+CPU_LINE = ("--kernel-backend tilelang needs CUDA tensors on a GPU with compute capability >= 9.0; "
+            "these are on cpu")
+EXACT, FAST = RuntimeOptions(), RuntimeOptions.from_profile("fast")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def random_linear(kind: str, n: int, k: int, gen: torch.Generator) -> Linear:
+    """A Linear of `kind` with random stored weights and scales around 2^-4."""
+    lin = Linear(k, n, kind)
+    with torch.no_grad():
+        if kind == "fp8":
+            lin.weight.copy_((torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn))
+        else:
+            lin.weight.view(torch.uint8).copy_(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
+                                                             generator=gen))
+        lin.scale.view(torch.uint8).copy_(torch.randint(119, 125, lin.scale.shape, dtype=torch.uint8,
+                                                        generator=gen))
+    return lin
+
+
+# ---- routing ----
+
+def test_auto_picks_torch_on_cpu():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    assert kernels.route(RuntimeOptions(), x) == "exact"
+    assert kernels.route(RuntimeOptions(kernel_backend="torch"), x) == "exact"
+    assert kernels.route(FAST, x) == "fast" and FAST.order == "fast"
+    assert kernels.route(RuntimeOptions(order="fast"), x) == "fast"
+    assert RuntimeOptions.from_profile("reference").order == "auto"
+    with pytest.raises(ConfigError, match="unknown summation order 'quick'"):
+        RuntimeOptions.from_profile("reference", order="quick")
+    with pytest.raises(ConfigError, match="unknown kernel backend 'cuda'"):
+        RuntimeOptions.from_profile("reference", kernel_backend="cuda")
+    # The torch routes never import the tilelang module (nor tilelang): a fresh interpreter runs all of them.
+    code = ("import sys, torch; from inference import kernels; from inference.config import RuntimeOptions\n"
+            "q = torch.randn(1, 1, 2, 64).bfloat16(); kv = torch.randn(1, 8, 64).bfloat16()\n"
+            "idx = torch.arange(8, dtype=torch.int32).view(1, 1, 8)\n"
+            "for o in (RuntimeOptions(), RuntimeOptions(order='fast')):\n"
+            "    kernels.sparse_attn(o, q, kv, torch.zeros(2), idx, 0.125); kernels.fp8_qdq_(o, kv.clone())\n"
+            "print(sorted(m for m in sys.modules if 'tilelang' in m))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_tilelang_on_cpu_is_one_clear_line(tmp_path):
+    opts = RuntimeOptions(kernel_backend="tilelang")
+    with pytest.raises(kernels.BackendError) as e:
+        kernels.route(opts, torch.zeros(4))
+    assert str(e.value) == CPU_LINE and isinstance(e.value, ConfigError)
+    with pytest.raises(kernels.BackendError, match="these are on cpu"):
+        fixture_model(opts)                                          # refused when the model is built
+    with pytest.raises(kernels.BackendError, match="golden"):
+        kernels.check_backend(RuntimeOptions(kernel_backend="tilelang", golden=True), "cpu")
+    proc = subprocess.run(
+        [sys.executable, "generate.py", "--threads", "1", "--ckpt-path", fixture_file(FIXTURE),
+         "--config", os.path.join(FIXTURE, "config.json"), "--device", "cpu",
+         "--score", os.path.join(FIXTURE, "score.json"), "--dump-logits", str(tmp_path / "x.safetensors"),
+         "--kernel-backend", "tilelang"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {CPU_LINE}"], proc.stderr
+
+
+# ---- the exact route is the reference ----
+
+def test_exact_route_is_the_reference_kernels():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 256, generator=gen).bfloat16()
+    for kind, deq in (("fp8", dequant_fp8_weight), ("fp4", dequant_fp4_weight)):
+        lin = random_linear(kind, 96, 256, gen)
+        assert torch.equal(lin(x), reference.block_scaled_gemm(x, deq(lin.weight, lin.scale)))
+    q = torch.randn(2, 3, 4, 64, generator=gen).bfloat16()
+    kv = torch.randn(2, 150, 64, generator=gen).bfloat16()
+    sink, idx = torch.randn(4, generator=gen), torch.randint(-1, 150, (2, 3, 130), generator=gen).int()
+    assert torch.equal(kernels.sparse_attn(EXACT, q, kv, sink, idx, 0.125),
+                       reference.sparse_attn(q, kv, sink, idx, 0.125))
+    keys, w = torch.randn(2, 40, 64, generator=gen).bfloat16(), torch.randn(2, 3, 4, generator=gen).bfloat16()
+    assert torch.equal(kernels.index_scores(EXACT, q, keys, w), reference.index_scores(q, keys, w))
+
+
+def test_quantizers_and_sinkhorn_are_shared_by_both_torch_routes():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 7, 128, generator=gen).bfloat16() * 3
+    for name in ("fp8_qdq_", "fp4_qdq_e8m0_", "fp4_qdq_e4m3_"):
+        a, b = getattr(kernels, name)(EXACT, x.clone()), getattr(kernels, name)(FAST, x.clone())
+        assert torch.equal(a, b) and torch.equal(a, getattr(reference, name)(x.clone())), name
+    m = torch.randn(5, 24, generator=gen)
+    args = (torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
+    for a, b in zip(kernels.hc_split_sinkhorn(FAST, m, *args), reference.hc_split_sinkhorn(m, *args)):
+        assert torch.equal(a, b)
+    q, s = kernels.act_quant(FAST, x)
+    dequantized = (q.float().view(4, 7, 4, 32) * s[..., None]).flatten(-2)
+    assert torch.equal(fast.quant_act(x, torch.float32), dequantized)
+
+
+# ---- fast vs exact, kernel by kernel ----
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_fast_gemm_same_products_other_order(kind):
+    """Both routes multiply the same exact products (q s and the dequantized weight are exact in bf16, their
+    product exact in fp32) and sum K of them in fp32 in different orders: the fp32 results are within
+    2 (K - 1) u S (S = sum |products|), and rounding each to bf16 adds at most 2^-8 of its magnitude."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 3, 512, generator=gen).bfloat16() * 2
+    lin = random_linear(kind, 200, 512, gen)
+    w = (dequant_fp8_weight if kind == "fp8" else dequant_fp4_weight)(lin.weight, lin.scale)
+    assert torch.equal(fast.dequant_weight(lin.weight, lin.scale, kind, torch.bfloat16).float(), w)
+    exact = reference.block_scaled_gemm(x, w)
+    got = kernels.quant_gemm(FAST, x, lin.weight, lin.scale, kind, lin.dequantized)
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    a = fast.quant_act(x, torch.float64)
+    sums = a.abs() @ w.double().abs().T                             # S per output element
+    truth = a @ w.double().T
+    bound = 2 * 511 * U * sums * 1.01 + 2.0 ** -7 * exact.double().abs() * 1.01
+    assert ((got.double() - exact.double()).abs() <= bound).all()
+    assert ((got.double() - truth).abs() <= 511 * U * sums + 2.0 ** -8 * truth.abs() * 1.01).all()
+    assert (got == exact).float().mean() > 0.9                      # most outputs round to the same bf16
+
+
+def test_fast_sparse_attention_within_bound():
+    """Scores: D exact products summed in another order, so s moves by at most d = 2 D u sum|q k| scale and
+    each p = exp(s - m) by a factor within exp(2 d). Rounding p to bf16 (the kernel's P cast) then differs by
+    at most one bf16 step, 2^-7 p. So the output moves by at most (2^-7 + 4 d) (A + |o|), with
+    A = sum_j p_j |v_j| / den, plus the two bf16 roundings of o (in the 2^-7 |o|)."""
+    gen = torch.Generator().manual_seed(3)
+    b, m, h, d, n = 2, 3, 4, 128, 300
+    q = (torch.randn(b, m, h, d, generator=gen) * 2).bfloat16()
+    kv = torch.randn(b, n, d, generator=gen).bfloat16()
+    sink = torch.randn(h, generator=gen)
+    idx = torch.randint(0, n, (b, m, 200), generator=gen).int()
+    idx[0, 1, 150:] = -1
+    idx[1, 2] = -1                                                  # nothing to attend: zeros on both
+    scale = d ** -0.5
+    exact = reference.sparse_attn(q, kv, sink, idx, scale)
+    got = kernels.sparse_attn(FAST, q, kv, sink, idx, scale)
+    assert got.dtype == torch.bfloat16 and got[1, 2].abs().sum() == 0
+    rows = kv[torch.arange(b).view(b, 1, 1), idx.long().clamp_min(0)].double()      # [B, M, T, D]
+    s = torch.einsum("bmhd,bmtd->bmht", q.double(), rows) * scale
+    s = s.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    top = torch.maximum(s.amax(-1), sink.double().view(1, 1, h)).clamp_min(-1e30)
+    p = torch.exp(s - top.unsqueeze(-1))
+    den = p.sum(-1) + torch.exp(sink.double().view(1, 1, h) - top)
+    spread = torch.einsum("bmht,bmtd->bmhd", p, rows.abs()) / den.unsqueeze(-1)
+    dev = 2 * d * U * (torch.einsum("bmhd,bmtd->bmht", q.double().abs(), rows.abs()) * scale).amax(-1)
+    bound = (2.0 ** -7 + 4 * dev.unsqueeze(-1)) * (spread + exact.double().abs()) * 1.01 + 1e-6
+    assert ((got.double() - exact.double()).abs() <= bound).all()
+
+
+def test_fast_index_scores_within_bound():
+    """Per head: q.k over D exact products in another order, rounded to bf16 (one bf16 step, 2^-7 |s_h|,
+    plus 2 (D - 1) u S_h); times w_h rounded to bf16 (one more step); the head sum (fp32, H terms, another
+    order) rounded to bf16: |d| <= (2^-6 + 2 (D + H) u) sum_h |w_h| S_h + 2^-7 |out|."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 16, 64, generator=gen).bfloat16()
+    keys = torch.randn(2, 50, 64, generator=gen).bfloat16()
+    w = (torch.randn(2, 3, 16, generator=gen) / 64).bfloat16()
+    exact = reference.index_scores(q, keys, w)
+    got = kernels.index_scores(FAST, q, keys, w)
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    heads = torch.einsum("bshd,btd->bsht", q.double().abs(), keys.double().abs())   # S_h
+    weighted = (heads * w.double().abs().unsqueeze(-1)).sum(2)
+    bound = (2.0 ** -6 + 2 * (64 + 16) * U) * weighted * 1.02 + 2.0 ** -7 * exact.double().abs()
+    assert ((got.double() - exact.double()).abs() <= bound).all()
+
+
+def test_dequant_stacked_matches_one_by_one():
+    gen = torch.Generator().manual_seed(5)
+    for kind, deq in (("fp8", dequant_fp8_weight), ("fp4", dequant_fp4_weight)):
+        lins = [random_linear(kind, 64, 96 if kind == "fp8" else 128, gen) for _ in range(3)]
+        got = fast.dequant_stacked([lin.weight for lin in lins], [lin.scale for lin in lins], kind,
+                                   torch.bfloat16)
+        assert torch.equal(got.float(), torch.stack([deq(lin.weight, lin.scale) for lin in lins]))
+
+
+# ---- the MoE's gathered / grouped paths against the per-expert loop ----
+
+class SecondOfTwo(ParallelContext):
+    """Rank 1 of 2 without a process group: its all-reduce returns its own partial sum."""
+
+    def all_reduce(self, x):
+        return x
+
+
+def exact_arithmetic_moe(par: ParallelContext):
+    """An MoE whose GEMMs are exact in any summation order: integer activations and FP4/FP8 weights with
+    small integer values and scale 1 (every partial sum an exact fp32 value), and w2 with one non-zero per
+    output row. Any difference between the routes is then in the routing, gathering or combination."""
+    from inference.moe import MoE
+    from inference.state import ModelContext
+    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
+    moe = MoE(ModelContext(args, par), args.n_routed_experts, args.n_activated_experts, with_bias_vl=False)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
+        moe.gate.bias.zero_()
+        for lin in (m for m in moe.modules() if isinstance(m, Linear)):
+            n, k = lin.out_features, lin.in_features
+            if n == args.dim:                                         # w2: one non-zero per row
+                vals = torch.zeros(n, k)
+                vals[torch.arange(n), torch.arange(n) % k] = torch.randint(-3, 4, (n,), generator=gen).float()
+            else:
+                vals = torch.randint(-3, 4, (n, k), generator=gen).float()
+            lin.scale.view(torch.uint8).fill_(127)                   # UE8M0 1.0
+            if lin.kind == "fp8":
+                lin.weight.copy_(vals.to(torch.float8_e4m3fn))
+            else:                                                     # E2M1 codes of -3..3, low nibble first
+                codes = torch.tensor([8 + 5, 8 + 4, 8 + 2, 0, 2, 4, 5])[vals.long() + 3]
+                lin.weight.view(torch.uint8).copy_(codes[:, 0::2] | codes[:, 1::2] << 4)
+    return moe
+
+
+def run_moe(moe, opts, x):
+    moe.ctx.opts = opts
+    for m in moe.modules():
+        if isinstance(m, Linear):
+            m.opts = opts
+    with torch.inference_mode():
+        return moe(x)
+
+
+@pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],
+                         ids=["W1", "rank1of2"])
+def test_fast_moe_equals_the_expert_loop(par):
+    moe = exact_arithmetic_moe(par)
+    gen = torch.Generator().manual_seed(7)
+    for shape in ((3, 1), (1, 5), (1, 40)):                          # decode batch, draft block, prefill
+        x = torch.randint(-8, 9, (*shape, moe.ctx.args.dim), generator=gen).bfloat16()
+        exact, got = run_moe(moe, EXACT, x), run_moe(moe, FAST, x)
+        assert exact.abs().sum() > 0
+        assert torch.equal(got, exact), shape
+
+
+# ---- end to end on the fixture ----
+
+def test_fast_end_to_end_teacher_forced():
+    """`--numerics fast` on the conformance fixture: inside the parity bounds of the reference."""
+    from test_model_fixture import run_teacher_forced
+    model = fixture_model(RuntimeOptions.from_profile("fast"))
+    ref = fixture_tensors("reference_logits")
+    logits, drafts = run_teacher_forced(model, ref)
+    want = ref["step_logits"]
+    d = (logits - want).abs()
+    print(f"fast vs reference logits: max |d| {d.max():.4f} mean {d.mean():.5f}")
+    assert d.max() <= 0.25 and d.mean() <= 0.03
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 0.5
+    assert clear.any() and torch.equal(logits.argmax(-1)[clear], want.argmax(-1)[clear])
+    dl = (torch.stack([x[1] for x in drafts]) - ref["dspark_logits"]).abs()
+    assert dl.max() <= 0.25
+
+
+# ---- no loop over head_dim, K blocks, experts or tokens in a fast decode step ----
+
+class OpCount(TorchDispatchMode):
+    """Counts the torch ops that compute (views and slices, which torch elides for some shapes, excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def random_model(opts, **sizes):
+    """The fixture's layer layout (every layer role) without Engram and DSpark, at other widths, random."""
+    from inference.model import Transformer
+    args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_seq_len=96, max_batch_size=3,
+                               engram_layer_ids=[], engram_num_embeddings=[], **sizes)
+    model = Transformer(args, opts=opts, build_dspark=False)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype in (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2):
+                lo, hi = (118, 126) if p.dtype == torch.float8_e8m0fnu else (0, 256)
+                p.view(torch.uint8).copy_(torch.randint(lo, hi, p.shape, dtype=torch.uint8, generator=gen))
+            else:
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype))
+    return model
+
+
+def decode_op_count(model, batch: int) -> int:
+    ids = torch.randint(3, model.args.vocab_size, (batch, 41), generator=torch.Generator().manual_seed(9))
+    model.reset()
+    model(ids[:, :40], 0)
+    model(ids[:, 40:41], 40)                                         # warm: CPU dequantization caches
+    model(ids[:, :40], 0)
+    with OpCount() as count:
+        model(ids[:, 40:41], 40)
+    return count.n
+
+
+def test_fast_decode_step_has_no_loop_over_sizes():
+    """The same number of computing torch ops for one decode step at head_dim 128 / 256 with twice the K
+    blocks in every GEMM and twice the experts, and at batch 1 / 2 / 3; the exact route's count grows (the
+    check can fail)."""
+    small = dict(n_routed_experts=8)
+    large = dict(dim=512, head_dim=256, q_lora_rank=256, moe_inter_dim=256, index_head_dim=128,
+                 o_lora_rank=128, n_routed_experts=16)
+    sizes = [decode_op_count(random_model(FAST, **cfg), 1) for cfg in (small, large)]
+    model = random_model(FAST, **small)
+    batches = [decode_op_count(model, b) for b in (2, 3)]
+    print("fast decode step ops: small / large", sizes, "batch 2 / 3", batches)
+    assert sizes[0] == sizes[1] == batches[0] == batches[1]
+    exact = [decode_op_count(random_model(EXACT, **sizes), 1) for sizes in (small, large)]
+    assert exact[1] > exact[0] + 128, exact
+
+
+# ---- CUDA ----
+
+@needs_cuda
+def test_cuda_routes_and_fast_kernels_within_bounds():
+    """On a GPU: auto takes tilelang on compute capability >= 9.0 with tilelang installed, else the fast
+    torch route; the fast kernels in bf16 with fp32 accumulation stay within the CPU bounds above."""
+    x = torch.zeros(2, 32, device="cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    auto = "tilelang" if hopper and kernels._tilelang_imports() else "fast"
+    assert kernels.route(RuntimeOptions(), x) == auto
+    assert kernels.route(RuntimeOptions(kernel_backend="torch"), x) == "fast"
+    torch_opts = RuntimeOptions(kernel_backend="torch")
+    gen = torch.Generator().manual_seed(2)
+    xs = torch.randn(7, 3, 512, generator=gen).bfloat16() * 2
+    lin = random_linear("fp8", 200, 512, gen)
+    w = dequant_fp8_weight(lin.weight, lin.scale)
+    exact = reference.block_scaled_gemm(xs, w)
+    lin = lin.cuda()
+    got = kernels.quant_gemm(torch_opts, xs.cuda(), lin.weight, lin.scale, "fp8", lin.dequantized).cpu()
+    sums = fast.quant_act(xs, torch.float64).abs() @ w.double().abs().T
+    bound = 2 * 511 * U * sums * 1.01 + 2.0 ** -7 * exact.double().abs() * 1.01
+    assert ((got.double() - exact.double()).abs() <= bound).all()
+    q = (torch.randn(1, 1, 8, 128, generator=gen) * 2).bfloat16()
+    kv = torch.randn(1, 300, 128, generator=gen).bfloat16()
+    idx = torch.randint(0, 300, (1, 1, 200), generator=gen).int()
+    sink = torch.randn(8, generator=gen)
+    exact = reference.sparse_attn(q, kv, sink, idx, 128 ** -0.5)
+    got = kernels.sparse_attn(torch_opts, q.cuda(), kv.cuda(), sink.cuda(), idx.cuda(), 128 ** -0.5).cpu()
+    assert (got.float() - exact.float()).abs().max() <= 2.0 ** -5 * exact.float().abs().max()
