@@ -1,0 +1,352 @@
+"""Memory planner: the bytes one rank holds, by category, and whether that fits a GPU.
+
+Weights and caches are exact: the Transformer is built on the meta device (shapes and dtypes, no storage)
+for the rank, and the bytes of its parameters and cache buffers are summed by name. They are what the
+loader allocates: the head, the Markov head, the confidence projection, the ratio-2 compressor projections
+and the ViT norm weights are held in fp32 although stored as bf16 (`STORED_AS_BF16`), so `file_bytes` (the
+tensor bytes of the converted shard) is smaller than `weights_bytes`.
+
+The activation workspace is an estimate, stated term by term for the exact-order torch kernels
+(inference/kernels/reference.py; hc_post in hyper.py, the indexer's score masking), per rank, for one
+forward call of B rows of S tokens (n = B*S; T = S / ratio compressed positions), D = dim, hc = hc_mult,
+with "streams" = n * (4*hc*D + 2*D*(1 + DSpark targets)) (the block's and the caller's bf16 streams, the
+embedding and the kept DSpark inputs):
+
+  hyper-connection post-mix  n * D * (16*hc + 4*hc^2 + 6): the streams, then hc_post's fp32 temporaries, the
+                             largest being comb x residual [n, hc, hc, D]
+  GEMM (widest output)       streams + n * (16*K + 6*N) + one row chunk of per-32-block partials and their
+                             running sum (the partials at most 128 MiB), for the Linear [N, K] with the
+                             widest output
+  indexer scores             streams + 6 bytes * n * T at the smallest index-layer ratio (T = S at ratio 1):
+                             the bf16 scores, their masked copy, the candidate mask and its complement (+10
+                             with deterministic top-k, which sorts every row), plus the 2^26-element chunk
+  sparse attention           streams + n * (3 * H_local * head_dim * 2 + (window + topk) * 8) + one block of
+                             64 queries (gathered fp32 rows, scores, accumulators)
+  compressed KV read         streams + B * T * (2 * head_dim + 3 * (head_dim + index_head_dim) if packed):
+                             the window + compressed KV concatenation, and the bf16 result of reading a
+                             packed cache (decoded in chunks; T of a decode step: max_seq_len / ratio)
+  head                       B * vocab * 8 (fp32 logits of the last position, gathered)
+  dequantization (GPU only)  3 * 4 * N * K for the quantized Linear with the most elements: off the CPU the
+                             fp32 weight is rebuilt per call (on the CPU it is cached, i.e. held for good)
+
+Each stage is multiplied by MARGIN (temporaries the terms leave out, allocator slack) and the workspace of a
+call is the largest stage. On the tiny fixture model (CPU, allocations traced by the profiler) the stated
+prefill workspace is 1.1-1.7 times the measured peak, never below it (tests/test_plan.py). The plan gives it
+for a decode step (S = 1) and for a prefill of `prefill_len` tokens per row (default: max_seq_len: the
+generate loop prefills a prompt in one call), and the longest prompt whose one-call prefill fits. RESERVE
+stands for the CUDA context, cuBLAS/NCCL buffers and allocator slack (assumed, not measured). Loop-free or
+fused kernels (--numerics fast, tilelang) need less; the estimate does not model them.
+
+Released config at W = 1 against the Hugging Face checkpoint's 510,286,023,000 tensor bytes: the plan gives
+513,149,074,264 bytes (+0.56 %), the difference being, line by line, `wo_a` dequantized to bf16 with its
+scales dropped (43 layers x (33,554,432 - 32,768) = +1,441,431,552), `head.weight` held in fp32
+(+1,323,827,200), the Markov head in fp32 (+66,191,360), the ratio-2 compressor `wkv`/`wgate` of layers
+2, 8, 14 in fp32 (+31,457,280), the ViT norm weights in fp32 (+133,120) and the confidence projection in fp32
+(+10,752): +2,863,051,264 in all.
+"""
+import re
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import ModelArgs, RuntimeOptions
+from ..engram import EngramHasher
+from ..layers import Linear
+from ..model import Transformer
+from ..parallel import ParallelContext
+
+# Held in fp32 by the model although stored as bf16 (exact widening).
+STORED_AS_BF16 = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight"
+                            r"|mtp\.\d+\.confidence_head\.proj\.weight"
+                            r"|layers\.\d+\.attn\.compressor\.(wkv|wgate)\.weight"
+                            r"|vision\.blocks\.\d+\.norm[12]\.weight|vision\.norm\.weight)$")
+
+GIB = 1 << 30
+RESERVE = 2 * GIB
+GEMM_CHUNK = 1 << 27        # inference/quant.py block_scaled_gemm: bytes of partials per row chunk
+SCORE_CHUNK = 1 << 26       # inference/indexer.py _head_weighted_scores: elements per query chunk
+MARGIN = 1.2                # on every workspace stage: temporaries the terms leave out, allocator slack
+PACKED_READ = 3             # bytes per value a packed-cache read adds: the decoded bf16, a copy of the codes
+
+# Usable memory as the driver reports it (nvidia-smi totals).
+GPUS = {"H100 80 GB": 81559 << 20, "H200 141 GB": 143771 << 20, "B200 180 GB": 183359 << 20}
+
+# (key, label, name pattern): the first match wins.
+WEIGHT_GROUPS = (
+    ("embed_head", "embeddings, head, final norm", r"(embed|head|norm)\.weight$"),
+    ("attention", "attention (compressor, indexer incl.)", r"layers\.\d+\.(attn\.|attn_norm\.)"),
+    ("hyper", "hyper-connection mixes", r"layers\.\d+\.hc_"),
+    ("routed_experts", "routed experts", r"layers\.\d+\.ffn\.experts\."),
+    ("dense_experts", "router, shared expert, FFN norm", r"layers\.\d+\.(ffn\.|ffn_norm\.)"),
+    ("engram_tables", "Engram tables", r"layers\.\d+\.engram\.embed\."),
+    ("engram", "Engram projection and gate", r"layers\.\d+\.engram\."),
+    ("dspark", "DSpark draft head (mtp.*)", r"mtp\."),
+    ("vit", "ViT and aligner", r"(vision|aligner)\.|image_(start|end|newline)$"),
+)
+CACHE_GROUPS = (
+    ("window_kv", "window KV rings", r"layers\.\d+\.attn\.kv_"),
+    ("compressed_kv", "compressed KV", r"layers\.\d+\.attn\.compress_"),
+    ("index_keys", "indexer keys", r"layers\.\d+\.attn\.indexer\.k_"),
+    ("compressor_tails", "compressor tails", r"layers\.\d+\.attn\.compressor\.(kv|score)_state$"),
+    ("dspark_rings", "DSpark rings", r"mtp\.\d+\.attn\.kv_"),
+    ("engram_ids", "Engram token history and maps", r"engram_hasher\."),
+    ("rope", "RoPE tables", r"rope\."),
+)
+LABELS = {k: label for k, label, _ in WEIGHT_GROUPS + CACHE_GROUPS}
+
+
+class PlanError(ValueError):
+    pass
+
+
+def category(name: str, groups) -> str:
+    for key, _, pattern in groups:
+        if re.match(pattern, name):
+            return key
+    raise PlanError(f"no memory category for tensor {name!r} (add one to inference/engine/memory.py)")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parse_bytes(text: str) -> int:
+    """'141GB' (10^9), '139GiB' (2^30), '512MiB', '2TB' or a plain byte count."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise PlanError(f"cannot read {text!r} as a size (e.g. 141GB, 139GiB)")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    weights: Dict[str, int]
+    file_bytes: int                     # tensor bytes of the converted shard model{rank}-mp{W}
+    caches: Dict[str, int]
+    workspace: Dict[str, int]           # stage -> bytes of the stated workspace (see the module docstring)
+    engram_on: str = "device"
+    reserve: int = RESERVE
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes kept in CPU memory instead (the Engram tables with --engram-on host)."""
+        return self.weights.get("engram_tables", 0) if self.engram_on == "host" else 0
+
+    @property
+    def gpu_weights_bytes(self) -> int:
+        off = self.weights.get("engram_tables", 0) if self.engram_on != "device" else 0
+        return self.weights_bytes - off
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(self.caches.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        return max(self.workspace.values(), default=0)
+
+    def phase_bytes(self, phase: str) -> int:
+        """Workspace of the decode or the prefill call alone."""
+        return max((v for k, v in self.workspace.items() if k.startswith(phase)), default=0)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What every run needs on the GPU before the first call's activations."""
+        return self.gpu_weights_bytes + self.cache_bytes + self.reserve
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + self.workspace_bytes
+
+
+def build_meta_model(args: ModelArgs, world_size: int, rank: int, opts: Optional[RuntimeOptions] = None,
+                     language_model_only: bool = False, build_dspark: bool = True) -> Transformer:
+    """The model of one rank with every tensor on the meta device (no memory, exact shapes and dtypes). The
+    kernel backend changes no shape: the torch one builds on any device."""
+    opts = replace(opts or RuntimeOptions(), kernel_backend="torch")
+    return Transformer(args, ParallelContext(world_size, rank), opts, "meta", build_dspark=build_dspark,
+                       language_model_only=language_model_only)
+
+
+def meta_hasher(args: ModelArgs) -> Optional[EngramHasher]:
+    """The Engram hasher the tokenizer would give (its token map sized by the vocabulary)."""
+    if not args.engram_layer_ids:
+        return None
+    token_map = torch.zeros(args.vocab_size, dtype=torch.int64)
+    with torch.device("meta"):          # the [batch, max_seq_len] history; the small maps stay on the CPU
+        return EngramHasher(args, token_map, args.engram_compressed_vocab_size or args.vocab_size)
+
+
+def weight_bytes(model: Transformer) -> Tuple[Dict[str, int], int]:
+    """-> (bytes per category as held in memory, bytes as stored in the converted shard)."""
+    out = {k: 0 for k, _, _ in WEIGHT_GROUPS}
+    stored = 0
+    for name, p in model.named_parameters():
+        b = nbytes(p)
+        out[category(name, WEIGHT_GROUPS)] += b
+        stored += b // 2 if p.dtype == torch.float32 and STORED_AS_BF16.match(name) else b
+    return out, stored
+
+
+def cache_bytes(model: Transformer, hasher: Optional[EngramHasher]) -> Dict[str, int]:
+    out = {k: 0 for k, _, _ in CACHE_GROUPS}
+    named = list(model.named_buffers())
+    if hasher is not None:
+        named += [(f"engram_hasher.{n}", b) for n, b in hasher.named_buffers()]
+    ctx = model.ctx
+    named += [("rope.window", ctx.window_freqs), ("rope.compress", ctx.compress_freqs)]
+    for name, buf in named:
+        out[category(name, CACHE_GROUPS)] += nbytes(buf)
+    return out
+
+
+@dataclass
+class Shapes:
+    """What the workspace estimate needs from a built model besides its config."""
+    args: ModelArgs
+    world_size: int
+    deterministic_topk: bool
+    widest: Tuple[int, int]           # (in, out) of the Linear with the widest output
+    biggest_quantized: Tuple[int, int]  # (in, out) of the FP8/FP4 Linear with the most elements
+    packed_kv: bool = False
+
+    @classmethod
+    def of(cls, model: Transformer) -> "Shapes":
+        linears = [(m.in_features, m.out_features, m.kind) for m in model.modules() if isinstance(m, Linear)]
+        widest = max(((k, n) for k, n, _ in linears), key=lambda t: (t[1], t[0]), default=(0, 0))
+        quantized = max(((k, n) for k, n, kind in linears if kind in ("fp8", "fp4")),
+                        key=lambda t: t[0] * t[1], default=(0, 0))
+        opts = model.ctx.opts
+        return cls(model.args, model.ctx.par.world_size, opts.deterministic_topk, widest, quantized,
+                   opts.packed_kv and not opts.golden)
+
+
+def workspace_bytes(shapes: Shapes, batch: int, seqlen: int, on_gpu: bool = True) -> Dict[str, int]:
+    """Stated workspace of one call of `batch` rows of `seqlen` tokens, per stage (module docstring)."""
+    a, w = shapes.args, shapes.world_size
+    n, d, hc = batch * seqlen, a.dim, a.hc_mult
+    streams = n * (hc * d * 2 * 2 + d * 2 * (1 + len(a.dspark_target_layer_ids)))   # x twice, h, targets
+    stages = {"hyper-connection post-mix": n * d * (16 * hc + 4 * hc * hc + 6)}
+    k, out = shapes.widest
+    if out:
+        rows = min(n, max(1, GEMM_CHUNK // (max(1, k // 32) * out * 4)))     # rows per chunk of partials
+        chunk = rows * (k // 32 + 1) * out * 4                              # partials + running sum
+        stages["GEMM (widest output)"] = streams + n * (16 * k + 6 * out) + chunk
+    ratios = [a.compress_ratios[i] for i in a.index_source_layers if i < a.n_layers]
+    if ratios and seqlen > 1:
+        t = seqlen // min(ratios)
+        per = 6 + (10 if shapes.deterministic_topk else 0)
+        chunk = min(SCORE_CHUNK, n * (a.index_n_heads // w) * t) * 6
+        stages["indexer scores"] = streams + per * n * t + chunk
+    h_local = a.n_heads // w
+    block = batch * min(seqlen, 64)                                         # one 64-query block
+    attn_block = block * (64 * a.head_dim * 8 + h_local * 64 * 12 + h_local * a.head_dim * 8)
+    per_token = 3 * h_local * a.head_dim * 2 + (a.window_size + a.index_topk) * 8
+    stages["sparse attention"] = streams + n * per_token + attn_block
+    kv_ratios = [a.compress_ratios[i] for i in a.kv_source_layers]
+    if kv_ratios:
+        # the visible compressed KV (and index keys) a call reads: at most max_seq_len positions for a decode
+        t = (a.max_seq_len if seqlen == 1 else seqlen) // min(kv_ratios)
+        per_value = PACKED_READ if shapes.packed_kv else 0
+        stages["compressed KV read"] = streams + batch * t * (a.head_dim * (2 + per_value)
+                                                              + a.index_head_dim * per_value)
+    stages["head"] = batch * a.vocab_size * 8
+    if on_gpu and shapes.biggest_quantized[0]:
+        stages["dequantization"] = 3 * 4 * shapes.biggest_quantized[0] * shapes.biggest_quantized[1]
+    return {k: int(v * MARGIN) for k, v in stages.items()}
+
+
+@dataclass
+class MemoryPlan:
+    args: ModelArgs
+    world_size: int
+    engram_on: str
+    prefill_len: int
+    packed_kv: bool = True
+    shapes: Optional[Shapes] = None
+    ranks: List[RankPlan] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda p: p.total_bytes)
+
+    def fits_decode(self, capacity: int) -> bool:
+        r = self.worst
+        return r.resident_bytes + r.phase_bytes("decode") <= capacity
+
+    def longest_prefill(self, capacity: int, on_gpu: bool = True) -> int:
+        """Longest prompt (tokens per row, at max_batch_size rows) whose one-call prefill fits next to the
+        resident bytes; 0 if not even a decode step fits."""
+        free = capacity - self.worst.resident_bytes
+        batch = self.args.max_batch_size
+
+        def fits(s: int) -> bool:
+            return max(workspace_bytes(self.shapes, batch, s, on_gpu).values()) <= free
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, self.args.max_seq_len
+        while lo < hi:                       # the workspace grows with S
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+
+def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions] = None,
+                ranks: Optional[List[int]] = None, prefill_len: Optional[int] = None,
+                language_model_only: bool = False, build_dspark: bool = True,
+                on_gpu: bool = True) -> MemoryPlan:
+    """Plan every rank (or only `ranks`) from meta builds of the model."""
+    opts = opts or RuntimeOptions()
+    prefill_len = min(prefill_len or args.max_seq_len, args.max_seq_len)
+    plan = MemoryPlan(args, world_size, opts.engram_on, prefill_len, opts.packed_kv and not opts.golden)
+    hasher = meta_hasher(args)
+    for rank in (range(world_size) if ranks is None else ranks):
+        model = build_meta_model(args, world_size, rank, opts, language_model_only, build_dspark)
+        plan.shapes = plan.shapes or Shapes.of(model)
+        weights, stored = weight_bytes(model)
+        stages = {f"decode: {k}": v for k, v in workspace_bytes(plan.shapes, args.max_batch_size, 1,
+                                                                on_gpu).items()}
+        stages.update({f"prefill: {k}": v for k, v in workspace_bytes(plan.shapes, args.max_batch_size,
+                                                                      prefill_len, on_gpu).items()})
+        plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on))
+    return plan
+
+
+def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) -> str:
+    """One line: what every run needs on the device, and (with a capacity) whether and how far it fits."""
+    r = plan.worst
+    decode = r.phase_bytes("decode")
+    need = r.resident_bytes + decode
+    line = (f"memory plan (rank {r.rank} of {plan.world_size}, Engram on {plan.engram_on}): "
+            f"{gib(r.gpu_weights_bytes)} weights + {gib(r.cache_bytes)} caches + {gib(decode)} decode "
+            f"workspace + {gib(r.reserve)} reserve = {gib(need)}")
+    if capacity is None:
+        if not device.startswith("cuda"):       # no reserve or GPU workspace; the CPU path caches more
+            return (f"memory plan (rank {r.rank} of {plan.world_size}): {gib(r.weights_bytes)} weights + "
+                    f"{gib(r.cache_bytes)} caches on {device}, plus fp32 copies of the quantized weights "
+                    f"the CPU path caches as it uses them")
+        return line + f" on {device}"
+    if need > capacity:
+        return line + f" of {gib(capacity)} on {device}: does not fit"
+    longest = plan.longest_prefill(capacity)
+    return (line + f" of {gib(capacity)} on {device}; prompts up to {longest:,} tokens x "
+            f"{plan.args.max_batch_size} rows prefill in one call")
+
+
+def fix_hint(plan: MemoryPlan) -> str:
+    hints = ["raise --mp"]
+    if plan.engram_on == "device" and plan.args.engram_layer_ids:
+        hints.append("--engram-on host")
+    return ", ".join(hints) + ", lower --max-seq-len or the batch (--max-batch-size)"

@@ -1,0 +1,173 @@
+"""KV caches kept in their true low-precision formats; every read gives back exactly the bf16 values written.
+
+The model rounds every value before it enters a cache: window KV (and the DSpark rings) to FP8 E4M3 with a
+power-of-two scale per 32 values, compressed KV latents to FP4 E2M1 with an E4M3 scale per 16, indexer keys
+to FP4 E2M1 with a power-of-two scale per 32 (all dims, the RoPE dims included). A bf16 buffer spends 2
+bytes on each of those values; a PackedCache stores the codes and one scale byte per group: 528 instead of
+1,024 bytes per 512-wide window entry, 288 instead of 1,024 per compressed entry, 68 instead of 256 per
+128-wide index key.
+
+Encoding starts from the rounded bf16 values themselves, so it needs no access to the scale the model
+computed: any scale that puts every value of a group on the code grid gives the same values back, and one
+of a few candidates always does (power-of-two scales: the smallest power of two >= amax / max code, which
+only rescales the codes by powers of two; E4M3 scales: amax / 6, amax / 4 or the smallest scale 2^-9,
+because the group's largest value always rounds to code 6 or 4 unless the scale was clamped to 2^-9).
+Every write is checked bit for bit: a value off the grid (a kernel that rounds differently) is an error,
+never a silent change. Golden numerics, which do not round, keep plain full-precision buffers.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .quant import E2M1_TABLE, FP8_MAX, ceil_pow2, e2m1_round, float_to_ue8m0, ue8m0_to_float
+
+E4M3_MIN_SCALE = 2.0 ** -9     # the smallest E4M3 scale the compressed-KV rounding uses (an all-zero group)
+_E2M1_BOUNDS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]   # midpoints of the E2M1 magnitudes
+DECODE_CHUNK = 1 << 22         # values decoded at a time on a read
+
+
+@dataclass(frozen=True)
+class Format:
+    codes: str          # "e4m3" (one byte per value) or "e2m1" (two values per byte, low nibble first)
+    block: int          # values per scale
+    scale: str          # "ue8m0" (power of two, the exponent byte) or "e4m3"
+
+
+FORMATS = {
+    "fp8": Format("e4m3", 32, "ue8m0"),        # window KV, DSpark rings
+    "fp4_e4m3": Format("e2m1", 16, "e4m3"),    # compressed KV latents
+    "fp4_ue8m0": Format("e2m1", 32, "ue8m0"),  # indexer keys
+}
+
+
+class CacheFormatError(RuntimeError):
+    pass
+
+
+def entry_bytes(fmt: str, dim: int) -> int:
+    """Bytes of one packed entry of `dim` values: codes plus one scale byte per block."""
+    f = FORMATS[fmt]
+    return (dim if f.codes == "e4m3" else dim // 2) + dim // f.block
+
+
+def _scale_value(f: Format, s: torch.Tensor) -> torch.Tensor:
+    """Scale bytes [..., G] -> fp32 [..., G, 1]."""
+    v = ue8m0_to_float(s) if f.scale == "ue8m0" else s.view(torch.float8_e4m3fn).float()
+    return v.unsqueeze(-1)
+
+
+def _code_values(f: Format, codes: torch.Tensor) -> torch.Tensor:
+    """Code bytes [..., C] -> fp32 values [..., D]."""
+    if f.codes == "e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()      # [..., D]
+    return torch.tensor(E2M1_TABLE, dtype=torch.float32, device=codes.device)[nibbles]
+
+
+def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """Packed codes [..., C] and scale bytes [..., G] -> values [..., D] in `dtype` (the model's rounding:
+    code times scale in fp32, then one cast)."""
+    f = FORMATS[fmt]
+    v = _code_values(f, codes).unflatten(-1, (scales.shape[-1], f.block))            # [..., G, block]
+    return (v * _scale_value(f, scales)).flatten(-2).to(dtype)
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """Values on the E2M1 grid -> 4-bit codes (bit 3 = sign, -0.0 included)."""
+    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=v.device)
+    mag = torch.bucketize(v.abs(), bounds).to(torch.uint8)
+    return mag | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _encode_with(f: Format, g: torch.Tensor, scale: torch.Tensor):
+    """Groups g [..., G, block] fp32 and candidate scales [..., G, 1] -> (code bytes, scale bytes)."""
+    if f.scale == "ue8m0":
+        sbytes = float_to_ue8m0(scale.squeeze(-1)).view(torch.uint8)
+    else:
+        sbytes = scale.squeeze(-1).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    v = g / _scale_value(f, sbytes)
+    if f.codes == "e4m3":
+        codes = v.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        c = _e2m1_codes(e2m1_round(v.clamp(-6.0, 6.0))).flatten(-2)
+        codes = c[..., 0::2] | (c[..., 1::2] << 4)
+    return codes, sbytes
+
+
+def encode(fmt: str, x: torch.Tensor):
+    """Rounded values x [..., D] -> (codes [..., C] uint8, scales [..., G] uint8) from which `decode` gives x
+    back bit for bit; CacheFormatError if some group is not on the format's grid."""
+    f = FORMATS[fmt]
+    g = x.float().unflatten(-1, (x.shape[-1] // f.block, f.block))                    # [..., G, block]
+    amax = g.abs().amax(-1, keepdim=True)
+    if f.scale == "ue8m0":
+        top = FP8_MAX if f.codes == "e4m3" else 6.0
+        floor = 1e-4 if f.codes == "e4m3" else 6 * 2.0 ** -126     # keep amax / top a normal fp32
+        candidates = [ceil_pow2(amax.clamp_min(floor) / top)]
+    else:
+        candidates = [amax / 6, amax / 4, torch.full_like(amax, E4M3_MIN_SCALE)]
+    want = x.reshape(*g.shape[:-2], -1).view(torch.int16 if x.element_size() == 2 else torch.int32)
+    codes = sbytes = None
+    ok = torch.zeros(g.shape[:-1], dtype=torch.bool, device=x.device)                  # [..., G]
+    for cand in reversed(candidates):            # the first candidate that reproduces a group wins
+        c, s = _encode_with(f, g, cand)
+        back = decode(fmt, c, s, x.dtype).view(want.dtype).unflatten(-1, (g.shape[-2], f.block))
+        good = (back == want.unflatten(-1, (g.shape[-2], f.block))).all(-1)           # [..., G]
+        if codes is None:
+            codes, sbytes = c, s
+        else:
+            per_code = c.shape[-1] // g.shape[-2]
+            pick = good.repeat_interleave(per_code, dim=-1)
+            codes, sbytes = torch.where(pick, c, codes), torch.where(good, s, sbytes)
+        ok |= good
+    if not bool(ok.all()):
+        raise CacheFormatError(f"KV cache value not on the {fmt} grid: the values written were not rounded "
+                               f"the way the cache format assumes (a kernel that rounds differently?)")
+    return codes, sbytes
+
+
+class PackedCache(nn.Module):
+    """A cache of shape [*lead, D] stored as codes [*lead, C] and scale bytes [*lead, G]. Index it like the
+    bf16 buffer it replaces, on the leading dims: `cache[:b, first:last] = values`, `cache[:b]`."""
+
+    def __init__(self, shape, fmt: str, dtype=torch.bfloat16):
+        super().__init__()
+        f = FORMATS[fmt]
+        *lead, dim = shape
+        if dim % f.block:
+            raise ValueError(f"cache width {dim} is not a multiple of the {fmt} block {f.block}")
+        self.fmt, self.dim, self.dtype = fmt, dim, dtype
+        code_bytes = dim if f.codes == "e4m3" else dim // 2
+        self.register_buffer("codes", torch.zeros(*lead, code_bytes, dtype=torch.uint8), persistent=False)
+        self.register_buffer("scales", torch.zeros(*lead, dim // f.block, dtype=torch.uint8),
+                             persistent=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([*self.codes.shape[:-1], self.dim])
+
+    def __getitem__(self, key) -> torch.Tensor:
+        """Decode in row chunks straight into the result: the fp32 temporaries stay small whatever the
+        context length."""
+        codes, scales = self.codes[key], self.scales[key]
+        out = torch.empty(*codes.shape[:-1], self.dim, dtype=self.dtype, device=codes.device)
+        flat_c, flat_s = codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1])
+        flat_out = out.view(-1, self.dim)
+        rows = max(1, DECODE_CHUNK // self.dim)
+        for r0 in range(0, flat_out.shape[0], rows):
+            flat_out[r0:r0 + rows] = decode(self.fmt, flat_c[r0:r0 + rows], flat_s[r0:r0 + rows], self.dtype)
+        return out
+
+    def __setitem__(self, key, value: torch.Tensor) -> None:
+        codes, scales = encode(self.fmt, value.to(self.dtype))
+        self.codes[key] = codes
+        self.scales[key] = scales
+
+
+def register_cache(owner: nn.Module, name: str, shape, fmt: str, ctx) -> None:
+    """A plain buffer in the activation dtype (golden numerics, or packing turned off), else a PackedCache."""
+    if ctx.opts.golden or not ctx.opts.packed_kv:
+        owner.register_buffer(name, torch.zeros(*shape, dtype=ctx.act_dtype), persistent=False)
+    else:
+        setattr(owner, name, PackedCache(shape, fmt))

@@ -1,0 +1,169 @@
+"""Memory plan: what each rank holds on its GPU, by category, and on which GPUs that fits.
+
+    python -m inference.tools.plan --config config.json --mp 4 --max-seq-len 65536 --max-batch-size 4 \\
+        --engram-on host [--gpu-mem 141GB] [--prefill-len N] [--json]
+
+Weights and caches are exact (the model is built on the meta device for every rank); the activation
+workspace is a stated estimate of the torch code path (inference/engine/memory.py lists its terms). The
+verdict: "fits" when weights + caches + reserve + the workspace of both a decode step and a one-call
+prefill of --prefill-len tokens per row (default: --max-seq-len) fit; "decode only" when the model runs but
+a prefill that long does not (the longest that does is given); otherwise "does not fit", with the fix.
+
+Released config at MP 1: 513,149,074,264 weight bytes, 2,863,051,264 (+0.56 %) above the checkpoint's
+510,286,023,000 tensor bytes: wo_a held in bf16 without its scales (+1,441,431,552), head.weight in fp32
+(+1,323,827,200), the Markov head in fp32 (+66,191,360), the ratio-2 compressor wkv/wgate in fp32
+(+31,457,280), the ViT norms in fp32 (+133,120), the confidence projection in fp32 (+10,752).
+"""
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+from ..config import ENGRAM_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
+from ..engine.memory import (GPUS, LABELS, WEIGHT_GROUPS, MemoryPlan, PlanError, fix_hint, gib, parse_bytes,
+                              plan_memory)
+
+
+def verdicts(plan: MemoryPlan, gpus: Dict[str, int]) -> Dict[str, dict]:
+    return {name: {"capacity": cap, "fits": plan.worst.total_bytes <= cap,
+                   "fits_decode": plan.fits_decode(cap), "longest_prefill": plan.longest_prefill(cap)}
+            for name, cap in gpus.items()}
+
+
+def cache_density(plan: MemoryPlan, other: MemoryPlan) -> Dict[str, Dict[str, float]]:
+    """Per token of context (compressed KV + indexer keys) and per sequence (window and DSpark rings), for
+    this plan's cache format and the other one."""
+    out = {}
+    for p in (plan, other):
+        c, a = p.ranks[0].caches, p.args
+        key = "packed" if p.packed_kv else "bf16"
+        out[key] = {"per_token": (c["compressed_kv"] + c["index_keys"]) / (a.max_batch_size * a.max_seq_len),
+                    "rings_per_sequence": (c["window_kv"] + c["dspark_rings"]) / a.max_batch_size}
+    return out
+
+
+Density = Dict[str, Dict[str, float]]
+
+
+def render(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Density) -> str:
+    a = plan.args
+    lines = [f"{config}: MP {plan.world_size}, max_seq_len {a.max_seq_len:,}, batch {a.max_batch_size}, "
+             f"Engram on {plan.engram_on}, prefill {plan.prefill_len:,} tokens per row in one call"]
+    groups = []   # ranks with identical plans share a column
+    for r in plan.ranks:
+        key = (r.weights, r.caches, r.workspace)
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(r)
+        else:
+            groups.append((key, [r]))
+    heads = [f"rank {g[0].rank}" if len(g) == 1 else f"ranks {g[0].rank}-{g[-1].rank} (each)"
+             for _, g in groups]
+    reps = [g[0] for _, g in groups]
+    width = 46
+
+    def row(label: str, values: List[int]) -> str:
+        return f"{label:<{width}}" + "".join(f"{gib(v):>22}" for v in values)
+
+    lines.append(f"{'':<{width}}" + "".join(f"{h:>22}" for h in heads))
+    lines.append("weights")
+    for key, label, _ in WEIGHT_GROUPS:
+        where = "" if key != "engram_tables" or plan.engram_on == "device" else f" (on {plan.engram_on})"
+        lines.append(row(f"  {label}{where}", [r.weights[key] for r in reps]))
+    lines.append(row("  = weights on the GPU", [r.gpu_weights_bytes for r in reps]))
+    lines.append(f"caches ({a.max_batch_size} x {a.max_seq_len:,} tokens, allocated up front)")
+    for key in reps[0].caches:
+        lines.append(row(f"  {LABELS[key]}", [r.caches[key] for r in reps]))
+    lines.append(row("  = caches", [r.cache_bytes for r in reps]))
+    this, other = ("packed", "bf16") if plan.packed_kv else ("bf16", "packed")
+    d, b = density[this], density[other]
+    lines.append(f"  per token of context (compressed KV + indexer keys): {d['per_token']:,.0f} B "
+                 f"({other}: {b['per_token']:,.0f} B)")
+    lines.append(f"  per sequence (window and DSpark rings): {d['rings_per_sequence'] / 2 ** 20:.2f} MiB "
+                 f"({other}: {b['rings_per_sequence'] / 2 ** 20:.2f} MiB)")
+    lines.append("activation workspace (stated estimate: the largest stage of a call)")
+    for phase in ("decode", "prefill"):
+        stage = max((k for k in reps[0].workspace if k.startswith(phase)), key=reps[0].workspace.get)
+        what = "decode step" if phase == "decode" else f"prefill {plan.prefill_len:,} x {a.max_batch_size}"
+        lines.append(row(f"  {what}: {stage.split(': ', 1)[1]}", [r.workspace[stage] for r in reps]))
+    lines.append(row("runtime reserve (CUDA context, NCCL, slack)", [r.reserve for r in reps]))
+    lines.append(row("= total on the GPU", [r.total_bytes for r in reps]))
+    if any(r.host_bytes for r in reps):
+        lines.append(row("host memory (Engram tables, pinned)", [r.host_bytes for r in reps]))
+    lines.append(row("converted shard file (tensor bytes)", [r.file_bytes for r in reps]))
+    r0 = reps[0]
+    lines.append(f"exact bytes (rank {r0.rank}): weights {r0.weights_bytes:,}, on the GPU "
+                 f"{r0.gpu_weights_bytes:,}, caches {r0.cache_bytes:,}, total {r0.total_bytes:,}")
+    for name, v in ver.items():
+        if v["fits"]:
+            say = "fits"
+        elif v["fits_decode"]:
+            say = (f"decode only: a one-call prefill fits up to {v['longest_prefill']:,} tokens per row "
+                   f"(batch {a.max_batch_size})")
+        else:
+            r = plan.worst
+            short = r.resident_bytes + r.phase_bytes("decode") - v["capacity"]
+            say = f"does not fit: {gib(max(short, 0))} short even for decoding; {fix_hint(plan)}"
+        lines.append(f"{name:<14} ({gib(v['capacity'])}): {say}")
+    return "\n".join(lines)
+
+
+def to_json(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Density) -> dict:
+    r0 = plan.worst
+    a = plan.args
+    return {
+        "config": config, "mp": plan.world_size, "max_seq_len": a.max_seq_len,
+        "max_batch_size": a.max_batch_size, "engram_on": plan.engram_on, "prefill_len": plan.prefill_len,
+        "weights_bytes": r0.weights_bytes, "gpu_weights_bytes": r0.gpu_weights_bytes,
+        "cache_bytes": r0.cache_bytes, "workspace_bytes": r0.workspace_bytes, "reserve_bytes": r0.reserve,
+        "total_bytes": r0.total_bytes, "host_bytes": r0.host_bytes, "file_bytes": r0.file_bytes,
+        "fits": {k: v["fits"] for k, v in ver.items()},
+        "fits_decode": {k: v["fits_decode"] for k, v in ver.items()},
+        "longest_prefill": {k: v["longest_prefill"] for k, v in ver.items()},
+        "kv_format": "packed" if plan.packed_kv else "bf16", "cache_density": density,
+        "ranks": [{"rank": r.rank, "weights": r.weights, "caches": r.caches, "workspace": r.workspace,
+                   "weights_bytes": r.weights_bytes, "file_bytes": r.file_bytes, "total_bytes": r.total_bytes}
+                  for r in plan.ranks],
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="inference config.json")
+    ap.add_argument("--mp", type=int, default=1, help="model-parallel world size (GPUs)")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="context per row (default: the config's)")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="rows (default: the config's)")
+    ap.add_argument("--engram-on", choices=ENGRAM_PLACEMENTS, default="device",
+                    help="where the Engram tables live (host and disk keep them off the GPU)")
+    ap.add_argument("--prefill-len", type=int, default=None,
+                    help="tokens per row prefilled in one call (default: --max-seq-len)")
+    ap.add_argument("--gpu-mem", default=None, help="judge this GPU size only, e.g. 141GB or 139GiB")
+    ap.add_argument("--language-model-only", action="store_true", help="without the ViT")
+    ap.add_argument("--kv-format", choices=["packed", "bf16"], default="packed",
+                    help="KV caches as FP8/FP4 codes + scales (the default) or bf16 buffers")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    o = ap.parse_args(argv)
+    try:
+        over = {k: v for k, v in (("max_seq_len", o.max_seq_len), ("max_batch_size", o.max_batch_size))
+                if v is not None}
+        args = ModelArgs.from_file(o.config, **over)
+        args.check_world_size(o.mp)
+        gpus = {f"{o.gpu_mem} (--gpu-mem)": parse_bytes(o.gpu_mem)} if o.gpu_mem else dict(GPUS)
+        opts = RuntimeOptions.from_profile("reference", engram_on=o.engram_on,
+                                           packed_kv=o.kv_format == "packed")
+        plan = plan_memory(args, o.mp, opts, prefill_len=o.prefill_len,
+                           language_model_only=o.language_model_only)
+        other = plan_memory(args, o.mp, replace(opts, packed_kv=not opts.packed_kv), ranks=[0],
+                            language_model_only=o.language_model_only)
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ver = verdicts(plan, gpus)
+    density = cache_density(plan, other)
+    print(json.dumps(to_json(plan, ver, o.config, density), indent=1) if o.json
+          else render(plan, ver, o.config, density))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Memory planner (inference/engine/memory.py, inference/tools/plan.py): exact weight and cache bytes against
+real tensors and converted shard files, the released totals, the stated workspace against a measured peak,
+and the loader's pre-load check."""
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+
+from conftest import FIXTURE, ROOT, fixture_file
+
+from inference.config import ModelArgs, RuntimeOptions
+from inference.engine.memory import GIB, PlanError, parse_bytes, plan_memory, workspace_bytes
+from inference.parallel import ParallelContext
+from inference.safetensors_io import read_header
+
+FIXTURE_CONFIG = os.path.join(FIXTURE, "config.json")
+RELEASED_CONFIG = os.path.join(ROOT, "config.json")
+HF_TENSOR_BYTES = 510_286_023_000   # the released checkpoint's index: metadata.total_size
+
+
+def real_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shard_tensor_bytes(path: str):
+    """(sum of the header's tensor sizes, file size minus the 8-byte length and the header)."""
+    infos, _ = read_header(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return sum(i.nbytes for i in infos.values()), os.path.getsize(path) - 8 - n
+
+
+@pytest.fixture(scope="module")
+def fixture_mp2(tmp_path_factory):
+    """The fixture converted by convert.py at --model-parallel 2 (the checkpoint alone is its input)."""
+    import convert
+    src = tmp_path_factory.mktemp("fixture_src")
+    for name in ("model0-mp1.safetensors", "tokenizer.json"):
+        shutil.copy(fixture_file(os.path.join(FIXTURE, name)), src / name)
+    out = tmp_path_factory.mktemp("fixture_mp2")
+    convert.convert(str(src), str(out), 2, log=lambda *_: None, progress=False)
+    return out
+
+
+def test_weights_equal_the_fixture_model_w1():
+    from conftest import fixture_model
+    model = fixture_model()
+    r = plan_memory(model.args, 1).ranks[0]
+    assert r.weights_bytes == real_bytes(model.parameters())
+    engram = [p for n, p in model.named_parameters() if ".engram.embed." in n]
+    assert r.weights["engram_tables"] == real_bytes(engram) > 0
+    header, payload = shard_tensor_bytes(os.path.join(FIXTURE, "model0-mp1.safetensors"))
+    assert r.file_bytes == header == payload
+
+
+def test_weights_equal_converted_shards_w2(fixture_mp2):
+    from inference.engine.checkpoint import load_checkpoint
+    from inference.model import Transformer
+    args = ModelArgs.from_file(FIXTURE_CONFIG)
+    plan = plan_memory(args, 2)
+    for rank in range(2):
+        model = Transformer(args, ParallelContext(2, rank))
+        load_checkpoint(model, str(fixture_mp2), rank, 2)
+        assert plan.ranks[rank].weights_bytes == real_bytes(model.parameters())
+        header, payload = shard_tensor_bytes(str(fixture_mp2 / f"model{rank}-mp2.safetensors"))
+        assert plan.ranks[rank].file_bytes == header == payload
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_cache_bytes_equal_the_buffers_a_real_model_allocates(packed):
+    import re
+    from encoding.tokenizer import load_tokenizer
+    from inference.model import Transformer
+    args = ModelArgs.from_file(FIXTURE_CONFIG, max_batch_size=3, max_seq_len=256)
+    opts = RuntimeOptions(packed_kv=packed)
+    model = Transformer(args, opts=opts, tokenizer=load_tokenizer(FIXTURE))
+    caches = plan_memory(args, 1, opts).ranks[0].caches
+    real = real_bytes(model.buffers())                  # the Engram hasher is a submodule: included
+    real += real_bytes([model.ctx.window_freqs, model.ctx.compress_freqs])
+    assert caches["engram_ids"] == real_bytes(model.engram_hasher.buffers()) > 3 * 256 * 8
+    # The planner sizes the Engram token map by vocab_size; the tokenizer's may differ by its added tokens.
+    vocab_diff = (len(model.engram_hasher.token_map) - args.vocab_size) * 8
+    assert sum(caches.values()) + vocab_diff == real
+    window = real_bytes(b for n, b in model.named_buffers() if re.match(r"layers\.\d+\.attn\.kv_cache", n))
+    # per entry: bf16 values, or E4M3 codes + a scale byte per 32 / E2M1 codes + a scale byte per 16
+    hd = args.head_dim
+    win, comp = (hd + hd // 32, hd // 2 + hd // 16) if packed else (2 * hd, 2 * hd)
+    assert caches["window_kv"] == window == args.n_layers * 3 * args.window_size * win
+    assert caches["compressed_kv"] == 3 * comp * (256 // 2 + 256 // 1)     # sources 1 (ratio 2), 3 (ratio 1)
+
+
+def test_released_weights_against_the_checkpoint_total():
+    """W = 1: within 1 % of the checkpoint's tensor bytes, and exactly the itemised difference."""
+    args = ModelArgs.from_file(RELEASED_CONFIG)
+    plan = plan_memory(args, 1)
+    w = plan.ranks[0].weights_bytes
+    layers = args.n_layers + args.n_mtp_layers
+    wo_a = layers * (8192 * 4096 * 2 - (8192 * 4096 + 256 * 128))   # FP8 + scales -> bf16
+    head = args.vocab_size * args.dim * 2                            # bf16 -> fp32
+    markov = args.vocab_size * args.dspark_markov_rank * 2
+    compressor = 3 * 2 * args.head_dim * args.dim * 2               # ratio-2 wkv, wgate of layers 2, 8, 14
+    vit_norms = (2 * args.vision_n_layers + 1) * args.vision_dim * 2
+    confidence = (args.dim + args.dspark_markov_rank) * 2
+    assert w - HF_TENSOR_BYTES == wo_a + head + markov + compressor + vit_norms + confidence == 2_863_051_264
+    assert abs(w - HF_TENSOR_BYTES) < 0.01 * HF_TENSOR_BYTES
+    # The Engram tables: 768,022,850 rows of 256 E4M3 values and 8 UE8M0 scales.
+    assert plan.ranks[0].weights["engram_tables"] == 768_022_850 * 264
+
+
+def test_released_mp4_engram_host_and_device():
+    """64K context, batch 4, 4 x H200: the Engram tables are the difference; both run, and the prefill
+    limits differ."""
+    from inference.tools.plan import verdicts
+    args = ModelArgs.from_file(RELEASED_CONFIG, max_seq_len=65536, max_batch_size=4)
+    h200 = {"H200": 143771 << 20}
+    out = {}
+    for where in ("host", "device"):
+        plan = plan_memory(args, 4, RuntimeOptions(engram_on=where), ranks=[0])
+        out[where] = (plan.ranks[0], verdicts(plan, h200)["H200"])
+    host, device = out["host"][0], out["device"][0]
+    rows = -(-384006168 // 4) + -(-384016682 // 4)          # ceil(rows / W) per table
+    assert device.gpu_weights_bytes - host.gpu_weights_bytes == rows * 264 == host.host_bytes
+    assert device.cache_bytes == host.cache_bytes
+    assert out["host"][1]["fits_decode"] and out["device"][1]["fits_decode"]
+    assert out["host"][1]["longest_prefill"] > 3 * out["device"][1]["longest_prefill"] > 0
+
+
+def peak_allocated(fn) -> int:
+    """Peak of the bytes allocated during fn() and not yet freed (CPU allocator events of the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    cur = peak = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("batch, seqlen", [(1, 128), (2, 256)])
+def test_stated_workspace_bounds_the_measured_peak(batch, seqlen):
+    from conftest import fixture_model
+    from inference.layers import Linear
+    model = fixture_model(max_batch_size=2)
+    for m in model.modules():                       # the CPU path caches these: held, not workspace
+        if isinstance(m, Linear) and m.scale is not None:
+            m.dequantized()
+    ids = torch.randint(3, model.args.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0))
+    measured = peak_allocated(lambda: model(ids, 0))
+    shapes = plan_memory(model.args, 1).shapes
+    stated = max(workspace_bytes(shapes, batch, seqlen, on_gpu=False).values())
+    assert measured <= stated <= 2 * measured
+
+
+def test_cli_json_and_verdicts(capsys):
+    from inference.tools.plan import main
+    assert main(["--config", FIXTURE_CONFIG, "--mp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = plan_memory(ModelArgs.from_file(FIXTURE_CONFIG), 2)
+    assert out["weights_bytes"] == plan.ranks[0].weights_bytes and len(out["ranks"]) == 2
+    assert out["total_bytes"] == plan.ranks[0].total_bytes
+    assert set(out["fits"]) == {"H100 80 GB", "H200 141 GB", "B200 180 GB"} and all(out["fits"].values())
+    assert main(["--config", FIXTURE_CONFIG, "--gpu-mem", "1MB"]) == 0
+    text = capsys.readouterr().out
+    assert "1MB (--gpu-mem)" in text and "does not fit" in text and "raise --mp" in text
+    assert main(["--config", FIXTURE_CONFIG, "--mp", "3"]) == 1
+    assert "world size 3" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert parse_bytes("141GB") == 141 * 10 ** 9 and parse_bytes("139GiB") == 139 * GIB
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    with pytest.raises(PlanError, match="141 gigs"):
+        parse_bytes("141 gigs")
+
+
+def test_loader_refuses_a_model_that_does_not_fit():
+    from inference.engine.checkpoint import CheckpointError, load_model
+    args = ModelArgs.from_file(FIXTURE_CONFIG)
+    lines = []
+    with pytest.raises(CheckpointError, match="raise --mp.*--engram-on host"):
+        load_model(FIXTURE, args, ParallelContext.single(), RuntimeOptions(), log=lines.append,
+                   gpu_mem=1 << 20)
+    assert any(line.startswith("memory plan") for line in lines)
+    assert not any("load model" in line for line in lines)      # stopped before reading the shard
