@@ -2,8 +2,8 @@
 
     python convert.py --hf-ckpt-path HF --save-path OUT --model-parallel W [--expert-dtype fp4|fp8]
 
-Rules: spec checkpoint.md §2-3 (names, the split table, experts, Engram rows, `wo_a` dequantization, the
-FP4 -> FP8 expert recast) and cli.md §3. The output bytes equal those of the official converter, which
+Rules: docs/checkpoint.md §2-3 (names, the split table, experts, Engram rows, `wo_a` dequantization, the
+FP4 -> FP8 expert recast) and docs/cli.md §3. The output bytes equal those of the official converter, which
 builds each rank's tensors in memory and calls `safetensors.torch.save_file` without metadata.
 
 Unlike the official tool this one streams: it plans every output tensor from the shard headers alone,
@@ -45,7 +45,7 @@ class ConvertError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Names (checkpoint.md §3.2) and the explicit split table (§2)
+# Names (docs/checkpoint.md §3.2) and the explicit split table (docs/checkpoint.md §2)
 
 def normalize_name(name: str) -> Optional[str]:
     """Reference name of an HF tensor name, or None for the tied `mtp.K.embed/head` copies (skipped)."""
@@ -467,8 +467,9 @@ def _recast_table() -> np.ndarray:
 
 
 def _recast_fp4_weight(o: Out, reader: Reader, budget: int) -> Iterator[np.ndarray]:
-    """MXFP4 -> FP8 (checkpoint.md §3.5): each row's E2M1 values times its power-of-two offset s/S, where the
-    block scale S is the largest row scale of the 32x32 block over 2^6, rounded to E4M3 (by table)."""
+    """MXFP4 -> FP8 (docs/checkpoint.md §3.5): each row's E2M1 values times its power-of-two offset s/S,
+    where the block scale S is the largest row scale of the 32x32 block over 2^6, rounded to E4M3 (by
+    table)."""
     w, s = o.src, o.aux
     n, half = w.shape
     kb = s.shape[1]

@@ -33,7 +33,6 @@ from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
 
-
 CLIError = InputError   # bad options or input: reported as one line
 
 # Errors that mean "bad input or set-up": reported as one line, no traceback.
@@ -144,12 +143,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--max-seq-len", type=int, default=None,
         help="longest prompt + completion (default: the config's, else 4096; interactive 65536)")
     add("--seed", type=int, default=DEFAULT_SEED, help=f"RNG seed, every rank (default {DEFAULT_SEED})")
-    add("--numerics", choices=["reference", "fixed", "golden"], default="reference",
-        help="reference = the official numerics, defects included; fixed = --fix-index-k; golden = fp32 "
-        "weights and activations, no fake quantization (a baseline)")
+    add("--numerics", default="reference", help="words joined by commas (README, Numerics): reference | "
+        "golden (fp32, no fake quantization); fixed (= --fix-index-k); exact | fast | invariant (summation "
+        "order; invariant = the same bits on every machine, thread count, batch, chunking and W)")
+    add("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto",
+        help="auto = tilelang on a GPU of compute capability >= 9.0 when installed, else torch")
     add("--fix-index-k", action="store_true", help="fix the stale index-key cache defect")
     add("--deterministic-topk", action="store_true",
         help="break exact top-k ties by lowest index (reproducible across platforms)")
+    add("--engram-on", choices=["device", "host", "disk"], default="device", help="Engram tables in GPU "
+        "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
     add("--language-model-only", action="store_true",
         help="do not build the vision tower (saves memory; prompts with images are an error)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -214,6 +217,7 @@ def check_options(o: argparse.Namespace) -> None:
         if failed:
             raise CLIError(message)
     resolve_reasoning_effort(o.reasoning_effort)     # EncodingError names the accepted values
+    RuntimeOptions.from_profile(o.numerics)           # ConfigError names a bad --numerics word
 
 
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
@@ -244,7 +248,7 @@ def init_runtime(o: argparse.Namespace, world_size: int) -> ParallelContext:
     if o.threads:
         torch.set_num_threads(o.threads)
     par = ParallelContext.from_env(o.device)
-    torch.manual_seed(o.seed)   # every rank: sampling relies on identical RNG streams (numerics.md §13)
+    torch.manual_seed(o.seed)   # every rank: sampling relies on identical RNG streams (docs/numerics.md §11)
     return par
 
 
@@ -304,7 +308,8 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
 
     log.info(margs)
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
-                                       fix_index_k_publish=o.fix_index_k or o.numerics == "fixed")
+                                       fix_index_k_publish=o.fix_index_k,
+                                       kernel_backend=o.kernel_backend, engram_on=o.engram_on)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
                                    log.info)
     start = time.perf_counter()

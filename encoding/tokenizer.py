@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 SYSTEM_TOKEN = "<｜System｜>"
 SYSTEM_TOKEN_ID = 128799
 
-# Ids of the chat-format strings in the V4.1 tokenizer (encoding.md §2, config.md §6).
+# Ids of the chat-format strings in the V4.1 tokenizer (docs/cli.md §5.2).
 BOS_ID = 0
 EOS_ID = 1
 PAD_ID = 2
@@ -99,8 +99,8 @@ def read_special_ids(path: str, tokenizer: Tokenizer = None) -> dict:
 def image_token_spelling(tokenizer: Tokenizer, placeholder: str = "<｜deepseek_image｜>",
                          image_token_id: int = IMAGE_TOKEN_ID) -> str:
     """The text that tokenizes to `image_token_id`: the placeholder itself when the tokenizer knows it
-    (it must then have that id), else the tokenizer's own spelling of the id (modules.md §10.2, project
-    addition: the released file spells 129264 `<｜image2｜>`).
+    (it must then have that id), else the tokenizer's own spelling of the id (docs/architecture.md §10.2,
+    project addition: the released file spells 129264 `<｜image2｜>`).
     """
     known = tokenizer.token_to_id(placeholder)
     if known is not None:

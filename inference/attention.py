@@ -1,17 +1,18 @@
 """Attention: low-rank q, one shared KV head with a window ring, compressed KV picked by the indexer,
-sparse attention with sink, inverse RoPE on the output and the grouped low-rank output (modules §7)."""
+sparse attention with sink, inverse RoPE on the output and the grouped low-rank output
+(docs/architecture.md §6)."""
 from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .compressor import Compressor
+from . import kernels
 from .config import ModelArgs
 from .indexer import Indexer, _group_positions
+from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
-from .quant import fp4_qdq_e4m3_, fp8_qdq_
 from .rope import apply_rotary_
-from .sparse_attn import sparse_attn
 from .state import ModelContext
 
 
@@ -63,14 +64,14 @@ class Attention(nn.Module):
         self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx.par)
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32),
                                       requires_grad=False)
-        self.register_buffer("kv_cache", torch.zeros(args.max_batch_size, self.window, args.head_dim,
-                                                     dtype=ctx.act_dtype), persistent=False)
+        # Caches hold already-rounded values: packed FP8 / FP4 codes and scales unless numerics are golden.
+        register_cache(self, "kv_cache", (args.max_batch_size, self.window, args.head_dim), "fp8", ctx)
         self.compressor = self.indexer = None
         if self.is_backbone and layer_id in args.kv_source_layers:
             self.compressor = Compressor(args, self.ratio)
-            self.register_buffer("compress_cache", torch.zeros(
-                args.max_batch_size, args.max_seq_len // self.ratio, args.head_dim, dtype=ctx.act_dtype),
-                persistent=False)
+            self.compressor.invariant = kernels.is_invariant(ctx.opts)
+            register_cache(self, "compress_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
+                                                    args.head_dim), "fp4_e4m3", ctx)
         if self.is_backbone and layer_id in args.index_source_layers:
             self.indexer = Indexer(layer_id, ctx)
 
@@ -99,14 +100,17 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, positions) -> torch.Tensor:
         kv = self.kv_norm(self.wkv(x))                                          # [B, S, hd]
         apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions])
-        return kv if self.ctx.opts.golden else fp8_qdq_(kv)
+        return kv if self.ctx.opts.golden else kernels.fp8_qdq_(self.ctx.opts, kv)
 
     def output(self, o: torch.Tensor, positions) -> torch.Tensor:
         b, s = o.shape[:2]
         apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], inverse=True)
         o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
         wo_a = self.wo_a.weight.to(o.dtype).view(self.n_local_groups, self.o_lora_rank, -1)   # fp32 if golden
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                             # [B, S, G_l, o_lora]
+        if kernels.is_invariant(self.ctx.opts):
+            o = torch.stack([kernels.invariant.linear(o[:, :, g], wo_a[g]) for g in range(o.shape[2])], 2)
+        else:
+            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                         # [B, S, G_l, o_lora]
         return self.wo_b(o.flatten(2))                                          # [B, S, D]
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -128,8 +132,9 @@ class Attention(nn.Module):
             kv_win, offset = self.kv_cache[:b], self.window
             idx_win = window_decode_idx(start_pos, self.window, x.device).expand(b, 1, -1)
         else:
-            # Extend (project addition, modules §11.6): every row sees what a single-token decode at its
-            # position would see. The ring as it was, then the chunk's rows; slots are journaled for rollback.
+            # Extend (project addition, docs/architecture.md §11.6): every row sees what a single-token
+            # decode at its position would see. The ring as it was, then the chunk's rows; slots are
+            # journaled for rollback.
             if s > self.window:
                 raise ValueError(f"an extend call takes at most window_size={self.window} tokens")
             kv_win, offset = torch.cat([self.kv_cache[:b].clone(), kv], dim=1), self.window + s
@@ -144,7 +149,8 @@ class Attention(nn.Module):
             compressed = self.ctx.shared.compress_kv[:b, :end // self.ratio]
             kv_all = torch.cat([kv_win, compressed], dim=1)                     # [B, n_win + T, hd]
             idx = torch.cat([idx_win, topk], dim=-1)
-        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, S, H_l, hd]
+        o = kernels.sparse_attn(self.ctx.opts, q, kv_all, self.attn_sink, idx,
+                                self.softmax_scale)                            # [B, S, H_l, hd]
         return self.output(o, pos)
 
     def compressed_path(self, x, qr, start_pos: int, offset: int) -> torch.Tensor:
@@ -167,7 +173,7 @@ class Attention(nn.Module):
             group_pos = _group_positions(start_pos, n, r, x.device)
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos])
             if not self.ctx.opts.golden:
-                fp4_qdq_e4m3_(latent)
+                kernels.fp4_qdq_e4m3_(self.ctx.opts, latent)
             first = start_pos // r
             self.compress_cache[:b, first:first + n] = latent
         return topk

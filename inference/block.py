@@ -22,7 +22,7 @@ class Block(nn.Module):
     """One layer: attention site and FFN site, each wrapped by a hyper-connection mix.
 
     Delayed (single-pass) schedule: each site collapses its input with the *previous* site's `pre`
-    and returns its own for the next one (modules §5.3)."""
+    and returns its own for the next one (docs/architecture.md §4.3)."""
 
     def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
         super().__init__()
@@ -43,13 +43,15 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", empty_param((3,)))
         self.engram = None
         if backbone and layer_id in a.engram_layer_ids:
-            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par)
+            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par, ctx.opts.engram_on,
+                                 pin=str(ctx.device).startswith("cuda"))
+            self.engram.invariant = ctx.opts.order == "invariant"
 
     def mixes(self, x: torch.Tensor, site: str):
         a = self.ctx.args
         fn = lambda u: hc_mixes(u, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                                 getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
-                                a.norm_eps)
+                                a.norm_eps, self.ctx.opts)
         return self.ctx.per_position(fn, x)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
@@ -57,11 +59,12 @@ class Block(nn.Module):
         """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
         residual = x
         pre_a, post_a, comb_a = self.mixes(x, "attn")
-        y = self.attn(self.attn_norm(hc_pre(x, pre_mix)), start_pos, **attn_kwargs)   # [B, S, D]
-        x = hc_post(y, residual, post_a, comb_a)                                      # [B, S, hc, D]
+        opts = self.ctx.opts
+        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, opts)), start_pos, **attn_kwargs)   # [B, S, D]
+        x = hc_post(y, residual, post_a, comb_a, opts)                                      # [B, S, hc, D]
         residual = x
         pre_f, post_f, comb_f = self.mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a)), image_mask)
-        x = hc_post(y, residual, post_f, comb_f)
+        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, opts)), image_mask)
+        x = hc_post(y, residual, post_f, comb_f, opts)
         return x, pre_f
 

@@ -1,9 +1,10 @@
-"""Compressor of the KV-source layers: one 512-d latent per `ratio` tokens (spec modules §7.4)."""
+"""Compressor of the KV-source layers: one 512-d latent per `ratio` tokens (docs/architecture.md §6.4)."""
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from . import kernels
 from .config import ModelArgs
 from .layers import Linear, RMSNorm
 
@@ -21,6 +22,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(args.dim, args.head_dim, kind)
         self.wgate = Linear(args.dim, args.head_dim, kind) if ratio == 2 else None
         self.norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.invariant = False   # set by the attention layer: invariant softmax and sums
         if ratio == 2:
             # Tail of an incomplete group, carried across calls: [max_batch, ratio, head_dim] fp32.
             shape = (args.max_batch_size, ratio, args.head_dim)
@@ -47,7 +49,7 @@ class Compressor(nn.Module):
                 return None
             kv = kv[:, :2 * n].unflatten(1, (n, 2))                  # [B, n, 2, hd]
             score = score[:, :2 * n].unflatten(1, (n, 2))
-            pooled = (kv * score.softmax(dim=2)).sum(dim=2)          # [B, n, hd]
+            pooled = self._pool(kv, score, 2)                        # [B, n, hd]
         else:
             # Decode, or an extend processed position by position exactly as decode does.
             if s > 1:
@@ -56,12 +58,18 @@ class Compressor(nn.Module):
             for i in range(s):
                 self._store(start_pos + i, kv[:, i], score[:, i])
                 if (start_pos + i + 1) % 2 == 0:
-                    pooled.append((self.kv_state[:b] * self.score_state[:b].softmax(dim=1))
-                                  .sum(dim=1, keepdim=True))
+                    pooled.append(self._pool(self.kv_state[:b], self.score_state[:b], 1).unsqueeze(1))
             if not pooled:
                 return None
             pooled = torch.cat(pooled, dim=1)                        # [B, n, hd]
         return self.norm(pooled.to(x.dtype))                         # bf16 first, then RMSNorm
+
+    def _pool(self, kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
+        """Per-channel softmax pooling over the group's tokens (`dim`)."""
+        if self.invariant:
+            inv = kernels.invariant
+            return inv.tree_sum(kv * inv.softmax(score, dim), dim)
+        return (kv * score.softmax(dim=dim)).sum(dim=dim)
 
     def _store(self, pos: int, kv: torch.Tensor, score: torch.Tensor) -> None:
         b = kv.shape[0]

@@ -196,29 +196,64 @@ class ModelArgs:
                 raise ConfigError(f"world size {world_size} does not divide {name} = {v}")
 
 
+ENGRAM_PLACEMENTS = ("device", "host", "disk")
+ORDERS = ("auto", "exact", "fast", "invariant")
+# --numerics: words over the three axes of RuntimeOptions (rounding points: reference or golden; the
+# index-key fix; summation order), see docs/numerics.md §15.
+NUMERICS_WORDS = ("reference", "golden", "fixed", "exact", "fast", "invariant")
+
+
 @dataclass
 class RuntimeOptions:
     """Project options that are not in config.json. Defaults reproduce the official numbers."""
-    fix_index_k_publish: bool = False   # fix of the stale index-key defect (spec modules.md §7.9)
+    fix_index_k_publish: bool = False   # fix of the stale index-key defect (docs/numerics.md §14.1)
     deterministic_topk: bool = False    # stable lowest-index tie-breaking in every top-k
-    kernel_backend: str = "auto"        # torch | tilelang | auto
+    kernel_backend: str = "auto"        # torch | tilelang | auto (inference/kernels/__init__.py picks)
+    # Summation order of the torch kernels: exact (the reference's, bit for bit on CPU), fast (loop-free, the
+    # same rounding points), invariant (every reduction in an order fixed by the shapes: the same bits on
+    # every CPU, thread count, batch, chunking and world size) or auto (exact on CPU, fast on CUDA).
+    order: str = "auto"
     # "What the math says": fp32 weights and activations, no fake quantization (parity baseline only).
     golden: bool = False
+    # Where the Engram tables live: device (GPU memory), host (CPU memory, the rows a step needs are copied
+    # over) or disk (memory-mapped from the converted shard file). Results are identical.
+    engram_on: str = "device"
+    # Keep the KV caches (window, compressed, indexer keys) as FP8 / FP4 codes plus scales instead of bf16:
+    # the same values come back bit for bit. Golden numerics, which do not round, always use full precision.
+    packed_kv: bool = True
 
     @classmethod
     def from_profile(cls, numerics: str = "reference", **kw) -> "RuntimeOptions":
-        if numerics not in ("reference", "fixed", "golden"):
-            raise ConfigError(f"unknown numerics profile {numerics!r} (expected 'reference', 'fixed' or "
-                              f"'golden')")
+        """`numerics`: words joined by commas, at most one per axis (docs/numerics.md §15):
+        rounding points `reference` (default) or `golden`; `fixed` (the stale-index-key fix); summation
+        order `exact`, `fast` or `invariant` (default: exact on CPU, fast on CUDA). E.g. "fixed,invariant"."""
+        words = [w.strip() for w in numerics.split(",") if w.strip()] or ["reference"]
+        unknown = [w for w in words if w not in NUMERICS_WORDS]
+        if unknown:
+            raise ConfigError(f"unknown --numerics word {unknown[0]!r} (expected words from "
+                              f"{', '.join(NUMERICS_WORDS)}, joined by commas)")
+        rounding = [w for w in words if w in ("reference", "golden")]
+        order = [w for w in words if w in ("exact", "fast", "invariant")]
+        if len(rounding) > 1 or len(order) > 1:
+            clash = rounding if len(rounding) > 1 else order
+            raise ConfigError(f"--numerics {numerics}: {' and '.join(clash)} exclude each other")
         opts = cls(**kw)
-        if numerics == "fixed":
-            opts.fix_index_k_publish = True
-        elif numerics == "golden":
-            opts.golden = True
+        if opts.kernel_backend not in ("auto", "torch", "tilelang"):
+            raise ConfigError(f"unknown kernel backend {opts.kernel_backend!r} (expected auto, torch or "
+                              f"tilelang)")
+        if order:
+            opts.order = order[0]
+        if opts.order not in ORDERS:
+            raise ConfigError(f"unknown summation order {opts.order!r} (expected one of {', '.join(ORDERS)})")
+        if opts.engram_on not in ENGRAM_PLACEMENTS:
+            raise ConfigError(f"unknown Engram placement {opts.engram_on!r} (expected one of "
+                              f"{', '.join(ENGRAM_PLACEMENTS)})")
+        opts.fix_index_k_publish = opts.fix_index_k_publish or "fixed" in words
+        opts.golden = opts.golden or "golden" in words
         return opts
 
 
-# HF root config -> reference keys (spec config.md §5.1).
+# HF root config -> reference keys (docs/checkpoint.md §1.4).
 _HF_TEXT_MAP = {
     "vocab_size": "vocab_size", "hidden_size": "dim", "moe_intermediate_size": "moe_inter_dim",
     "num_hidden_layers": "n_layers", "num_nextn_predict_layers": "n_mtp_layers",

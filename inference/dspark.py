@@ -1,15 +1,16 @@
 """DSpark draft head (checkpoint `mtp.0..K`): window-only stages seeded with the main model's KV, a Markov
-head that chains the drafts and a confidence head (spec modules §11.1-11.4)."""
+head that chains the drafts and a confidence head (docs/architecture.md §11.1-11.4)."""
 
 import torch
 import torch.nn as nn
+
+from . import kernels
 
 from .attention import Attention
 from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
 from .block import Block
 from .sampling import sample
-from .sparse_attn import sparse_attn
 from .state import ModelContext
 
 
@@ -34,7 +35,8 @@ class DSparkAttention(Attention):
         n_ring = min(self.window, start_pos + m)
         idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
         idx = idx.to(x.device).expand(b, blk, -1)
-        o = sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)      # [B, blk, H_l, hd]
+        o = kernels.sparse_attn(self.ctx.opts, q, kv_all, self.attn_sink, idx,
+                                self.softmax_scale)                              # [B, blk, H_l, hd]
         return self.output(o, pos)
 
 
@@ -105,7 +107,7 @@ class DSpark(nn.ModuleList):
         a = self.ctx.args
         last = self[-1]
         _, head = self._shared
-        hidden = hc_pre(x, pre)                                                  # [B, blk, D]
+        hidden = hc_pre(x, pre, self.ctx.opts)                                                  # [B, blk, D]
         logits = head(last.norm(hidden), all_positions=True)                    # [B, blk, V]
         b, blk = hidden.shape[:2]
         out = torch.zeros(b, blk + 1, dtype=torch.long, device=x.device)
@@ -114,7 +116,8 @@ class DSpark(nn.ModuleList):
         for i in range(blk):
             e = last.markov_head.embed(out[:, i])                                # [B, rank] bf16
             logits[:, i] += last.markov_head.head(e, all_positions=True)
-            out[:, i + 1] = sample(logits[:, i], a.temperature)
+            out[:, i + 1] = sample(logits[:, i], a.temperature,
+                                   invariant=self.ctx.opts.order == "invariant")
             embs.append(e)
         feats = torch.cat([hidden, torch.stack(embs, dim=1)], dim=-1).float()    # [B, blk, D + rank]
         confidence = last.confidence_head.proj(feats).squeeze(-1)               # [B, blk]

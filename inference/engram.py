@@ -1,4 +1,5 @@
-"""Engram (spec modules.md §9): compressed token map, prime layout, n-gram row ids, sharded tables, gate."""
+"""Engram (docs/architecture.md §9): compressed token map, prime layout, n-gram row ids, sharded tables,
+gate."""
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 from tokenizers import Regex, Tokenizer, normalizers
 
+from . import kernels
 from .config import ModelArgs
 from .layers import Linear
 from .parallel import ParallelContext
@@ -19,7 +21,7 @@ class EngramError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §9.1 Compressed token map
+# Compressed token map (docs/architecture.md §9.1)
 # ---------------------------------------------------------------------------------------------------------
 
 def engram_normalizer() -> normalizers.Normalizer:
@@ -63,7 +65,7 @@ def build_compressed_token_map(tokenizer: Tokenizer, expected_size: int = 0) -> 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §9.2 Layout: primes, offsets, multipliers
+# Layout: primes, offsets, multipliers (docs/architecture.md §9.2)
 # ---------------------------------------------------------------------------------------------------------
 
 def is_prime(n: int) -> bool:
@@ -148,7 +150,7 @@ class EngramLayout:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §9.3 Hashing
+# Hashing (docs/architecture.md §9.3)
 # ---------------------------------------------------------------------------------------------------------
 
 class EngramHasher(nn.Module):
@@ -229,41 +231,77 @@ class EngramHasher(nn.Module):
 
 class ParallelEngramEmbedding(nn.Module):
     """Engram table, rows sharded ceil(rows/W) per rank (the last rank's padding is never addressed).
-    E4M3 rows with one UE8M0 scale per 32 columns, dequantized only when looked up."""
+    E4M3 rows with one UE8M0 scale per 32 columns, dequantized only when looked up.
 
-    def __init__(self, rows: int, dim: int, par: ParallelContext):
+    `placement`: device (the tables live with the model), host (CPU memory, pinned when `pin`) or disk (left
+    on the meta device here; the loader maps them from the shard file with `attach`). Off the device, the
+    rows a call needs are gathered where the table lives and only those are copied to the model's device,
+    then dequantized there exactly as on the device path. `bytes_moved` counts the copied bytes."""
+
+    def __init__(self, rows: int, dim: int, par: ParallelContext, placement: str = "device",
+                 pin: bool = False):
         super().__init__()
-        self.par = par
+        self.par, self.placement, self.pin = par, placement, pin
         self.part = -(-rows // par.world_size)
         self.start = par.rank * self.part
-        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn),
+        where = {"device": {}, "host": {"device": "cpu", "pin_memory": pin}, "disk": {"device": "meta"}}
+        self.weight = nn.Parameter(torch.empty(self.part, dim, dtype=torch.float8_e4m3fn, **where[placement]),
                                    requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu),
-                                  requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu,
+                                              **where[placement]), requires_grad=False)
         self.golden = False   # set by the Transformer: keep the dequantized rows in fp32
+        self.bytes_moved = 0
+
+    def attach(self, name: str, tensor: torch.Tensor) -> None:
+        """Use `tensor` (e.g. a memory-mapped view of the shard file) as the weight or scale table."""
+        old = getattr(self, name)
+        if tuple(tensor.shape) != tuple(old.shape) or tensor.dtype != old.dtype:
+            raise ValueError(f"Engram {name}: got {tensor.dtype} {list(tensor.shape)}, expected {old.dtype} "
+                             f"{list(old.shape)}")
+        setattr(self, name, nn.Parameter(tensor, requires_grad=False))
+
+    def dequantize(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """E4M3 rows [..., dim] and their UE8M0 scales [..., dim/32] -> bf16 (fp32 if golden) values."""
+        y = w.float() * ue8m0_to_float(s).repeat_interleave(32, dim=-1)
+        return y.to(torch.float32 if self.golden else torch.bfloat16)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         local = rows - self.start
         outside = (local < 0) | (local >= self.part)
-        local = local.masked_fill(outside, 0)
-        w = self.weight[local].float()                                       # [..., dim]
-        s = ue8m0_to_float(self.scale[local]).repeat_interleave(32, dim=-1)
-        y = (w * s).to(torch.float32 if self.golden else torch.bfloat16)
+        if self.placement == "device":
+            safe = local.masked_fill(outside, 0)
+            y = self.dequantize(self.weight[safe], self.scale[safe])          # [..., dim]
+            if self.par.world_size > 1:
+                y[outside] = 0
+        else:
+            inside = ~outside
+            idx = local[inside].cpu()                                        # [m] rows this rank holds
+            w = torch.empty(idx.numel(), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=self.pin)
+            s = torch.empty(idx.numel(), self.scale.shape[1], dtype=self.scale.dtype, pin_memory=self.pin)
+            torch.index_select(self.weight, 0, idx, out=w)
+            torch.index_select(self.scale, 0, idx, out=s)
+            self.bytes_moved += w.numel() + s.numel()
+            w, s = w.to(rows.device, non_blocking=True), s.to(rows.device, non_blocking=True)
+            y = torch.zeros(*rows.shape, w.shape[1], dtype=torch.float32 if self.golden else torch.bfloat16,
+                            device=rows.device)
+            y[inside] = self.dequantize(w, s)                                # [..., dim]
         if self.par.world_size > 1:
-            y[outside] = 0
             y = self.par.all_reduce(y)
         return y
 
 
 class Engram(nn.Module):
-    """Gated add of one hashed n-gram value into every hc stream, before the block (modules §9.5)."""
+    """Gated add of one hashed n-gram value into every hc stream, before the block
+    (docs/architecture.md §9.5)."""
 
-    def __init__(self, args: ModelArgs, engram_index: int, par: ParallelContext):
+    def __init__(self, args: ModelArgs, engram_index: int, par: ParallelContext, placement: str = "device",
+                 pin: bool = False):
         super().__init__()
         self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
+        self.invariant = False   # set by the Block: invariant norms, sums and sigmoid
         n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
         self.embed = ParallelEngramEmbedding(args.engram_num_embeddings[engram_index], args.engram_head_dim,
-                                             par)
+                                             par, placement, pin)
         self.wkv = Linear(n_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, args.dtype)
         self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16),
                                      requires_grad=False)
@@ -279,9 +317,17 @@ class Engram(nn.Module):
         value = kv[..., self.hc * self.dim:].float()                        # [B, S, D]
         w = self.q_weight.float() * self.k_weight.float()                   # [hc, D]
         xf = x.float()
-        rstd = torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (xf * w * key).sum(-1) * rstd * self.dim ** -0.5               # [B, S, hc]
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if self.invariant:
+            inv = kernels.invariant
+            rstd = inv.rsqrt(inv.tree_mean(xf * xf) + self.eps) * \
+                inv.rsqrt(inv.tree_mean(key * key) + self.eps)
+            dot = inv.tree_sum(xf * w * key) * rstd * self.dim ** -0.5
+            gate = inv.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        else:
+            rstd = torch.rsqrt(xf.square().mean(-1) + self.eps) * \
+                torch.rsqrt(key.square().mean(-1) + self.eps)
+            dot = (xf * w * key).sum(-1) * rstd * self.dim ** -0.5           # [B, S, hc]
+            gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if mask is not None:
             gate = gate * mask.unsqueeze(-1)
         return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

@@ -1,12 +1,13 @@
-"""Indexer: scores compressed positions per query and keeps the top-k (spec modules §7.6-7.7)."""
+"""Indexer: scores compressed positions per query and keeps the top-k (docs/architecture.md §6.6-6.7)."""
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from . import kernels
 from .config import ModelArgs
+from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm
-from .quant import fp4_qdq_e8m0_
 from .rope import apply_rotary_
 from .state import ModelContext
 
@@ -57,9 +58,8 @@ class Indexer(nn.Module):
         if self.owns_keys:
             self.wk = Linear(args.head_dim, args.index_head_dim, "bf16")
             self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
-            self.register_buffer("k_cache", torch.zeros(args.max_batch_size, args.max_seq_len // self.ratio,
-                                                        args.index_head_dim, dtype=ctx.act_dtype),
-                                 persistent=False)
+            register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
+                                             args.index_head_dim), "fp4_ue8m0", ctx)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
                 offset: int) -> torch.Tensor:
@@ -72,7 +72,7 @@ class Indexer(nn.Module):
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
             apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)])
             if not self.ctx.opts.golden:
-                fp4_qdq_e8m0_(k)
+                kernels.fp4_qdq_e8m0_(self.ctx.opts, k)
             self.k_cache[:b, first:first + n] = k
             st.index_k = self.k_cache
         elif self.owns_keys and self.ctx.opts.fix_index_k_publish:
@@ -80,19 +80,23 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end])
         if not self.ctx.opts.golden:
-            fp4_qdq_e8m0_(q)
+            kernels.fp4_qdq_e8m0_(self.ctx.opts, q)
         t = end // r
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
-        score = _head_weighted_scores(q, keys, w)                    # [B, S, T] bf16
+        invariant = kernels.is_invariant(self.ctx.opts)
+        par = self.ctx.par if invariant else None                    # invariant: the head sum spans ranks
+        score = kernels.index_scores(self.ctx.opts, q, keys, w, par)  # [B, S, T] bf16
         if (start_pos > 0 and s > 1 and self.owns_keys and not self.ctx.opts.fix_index_k_publish
                 and st.index_k_at_call_start is not None and r > 1):
             # Extend in reference numerics: a row whose group is still incomplete would, decoded alone, not
-            # have published its keys and would score against the stale published cache (modules §7.9).
-            stale_score = _head_weighted_scores(q, st.index_k_at_call_start[:b, :t], w)
+            # have published its keys and would score against the stale published cache
+            # (docs/numerics.md §14.1).
+            stale_score = kernels.index_scores(self.ctx.opts, q, st.index_k_at_call_start[:b, :t], w, par)
             incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        score = self.ctx.par.all_reduce(score)
+        if not invariant:
+            score = self.ctx.par.all_reduce(score)
         if start_pos == 0:
             lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
             score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
@@ -117,16 +121,3 @@ class Indexer(nn.Module):
 def _group_positions(start_pos: int, n: int, ratio: int, device=None) -> torch.Tensor:
     """RoPE position of each new compressed entry: the group's first token (decode: start_pos + 1 - ratio)."""
     return (start_pos // ratio + torch.arange(n, device=device)) * ratio
-
-
-def _head_weighted_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                          max_elems: int = 1 << 26) -> torch.Tensor:
-    """sum_h ReLU(q_h . k) * w_h in bf16: per-head scores rounded to bf16, products rounded to bf16, one
-    reduction over heads. Long prefills are processed in query chunks to bound the [S, H, T] intermediate."""
-    b, s, h, _ = q.shape
-    rows = max(1, max_elems // max(1, b * h * keys.shape[1]))
-    parts = []
-    for s0 in range(0, s, rows):
-        score = torch.einsum("bshd,btd->bsht", q[:, s0:s0 + rows], keys)        # bf16 out, fp32 accumulation
-        parts.append((score.relu_() * w[:, s0:s0 + rows].unsqueeze(-1)).sum(dim=2))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -8,8 +8,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
+from .config import RuntimeOptions
 from .parallel import ParallelContext
-from .quant import block_scaled_gemm, dequant_fp4_weight, dequant_fp8_weight
+from .quant import dequant_fp4_weight, dequant_fp8_weight
 
 BLOCK = 32
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -39,28 +41,38 @@ class Linear(nn.Module):
             raise ValueError(f"unknown Linear kind {kind!r}")
         self._deq: Optional[torch.Tensor] = None
         self.golden = False   # set by the Transformer: fp32 GEMM, no activation quantization
+        self.opts = RuntimeOptions()   # set by the Transformer: kernel backend and summation order
+        # Off CPU, keep the dequantized weight of the fast route (bf16, 2 bytes a weight) between calls; the
+        # MoE clears this for routed experts, whose decode path dequantizes only the experts a step selects.
+        self.cache_off_cpu = True
 
-    def dequantized(self) -> torch.Tensor:
-        """fp32 value of an FP8/FP4 weight. Cached on CPU (the pure-torch path); recomputed on GPU, where
-        the fused kernels are the fast path and memory is the constraint."""
-        if self._deq is not None:
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exact value of an FP8/FP4 weight in `dtype` (fp32, or bf16: every E4M3 or E2M1 value times its
+        power-of-two scale fits). Cached on CPU; off CPU the fp32 value of the exact route is recomputed per
+        call (memory is the constraint there) and the bf16 one of the fast route is cached (cache_off_cpu)."""
+        if self._deq is not None and self._deq.dtype == dtype:
             return self._deq
-        fn = dequant_fp8_weight if self.kind == "fp8" else dequant_fp4_weight
-        w = fn(self.weight, self.scale, BLOCK)
-        if self.weight.device.type == "cpu":
+        if dtype == torch.float32:
+            fn = dequant_fp8_weight if self.kind == "fp8" else dequant_fp4_weight
+            w = fn(self.weight, self.scale, BLOCK)
+        else:
+            w = kernels.fast.dequant_weight(self.weight, self.scale, self.kind, dtype)
+        if self.weight.device.type == "cpu" or (dtype != torch.float32 and self.cache_off_cpu):
             self._deq = w
         return w
 
     def clear_cache(self):
         self._deq = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, par: Optional[ParallelContext] = None) -> torch.Tensor:
+        """par: a row-parallel layer's context, used by the invariant order only (see RowParallelLinear)."""
+        invariant = kernels.is_invariant(self.opts)
         if self.golden:
             w = self.weight.float() if self.scale is None else self.dequantized()
-            return F.linear(x.float(), w)
+            return kernels.invariant.linear(x.float(), w) if invariant else F.linear(x.float(), w)
         if self.scale is None:
-            return F.linear(x, self.weight)
-        return block_scaled_gemm(x, self.dequantized(), BLOCK)
+            return kernels.invariant.linear(x, self.weight) if invariant else F.linear(x, self.weight)
+        return kernels.quant_gemm(self.opts, x, self.weight, self.scale, self.kind, self.dequantized, par)
 
 
 class ColumnParallelLinear(Linear):
@@ -82,6 +94,8 @@ class RowParallelLinear(Linear):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.is_invariant(self.opts) and self.scale is not None and not self.golden:
+            return super().forward(x, self.ctx)    # the sum over K continues across the ranks, in its tree
         y = super().forward(x)
         if self.ctx.world_size > 1:
             y = self.ctx.all_reduce(y.float()).to(x.dtype)
@@ -117,6 +131,7 @@ class ParallelHead(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.weight = _param((vocab_size // ctx.world_size, dim), torch.float32)
+        self.opts = RuntimeOptions()   # set by the Transformer
 
     def forward(self, x: torch.Tensor, all_positions: bool = False,
                 per_position: bool = False) -> torch.Tensor:
@@ -125,7 +140,9 @@ class ParallelHead(nn.Module):
         bit-identical to decoding it alone), still one all-gather."""
         if not all_positions:
             x = x[:, -1]
-        if per_position and all_positions:
+        if kernels.is_invariant(self.opts):
+            logits = kernels.invariant.linear(x.float(), self.weight)    # rows independent by construction
+        elif per_position and all_positions:
             logits = torch.stack([F.linear(x[:, i].float(), self.weight) for i in range(x.shape[1])], dim=1)
         else:
             logits = F.linear(x.float(), self.weight)               # [B, V/W] or [B, S, V/W]
@@ -137,8 +154,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param((dim,), weight_dtype)
+        self.opts = RuntimeOptions()   # set by the Transformer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.is_invariant(self.opts):
+            return kernels.invariant.rms_norm(x, self.weight, self.eps)
         u = x.float()
         u = u * torch.rsqrt(u.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * u).to(x.dtype)

@@ -1,10 +1,11 @@
 """Transformer: embedding, Engram hashing, the stack of Blocks, the head, the DSpark draft head and the vision
-tower; prefill, decode, extend and rollback (modules §4-6)."""
+tower; prefill, decode, extend and rollback (docs/architecture.md §3-5)."""
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
+from . import kernels
 from .block import Block, empty_param
 from .dspark import DSpark
 from .config import ModelArgs, RuntimeOptions
@@ -23,6 +24,8 @@ class Transformer(nn.Module):
                  build_dspark: bool = True, language_model_only: bool = False):
         super().__init__()
         par = par or ParallelContext.single()
+        if torch.device(device).type != "meta":                     # a meta build only plans memory
+            kernels.check_backend(opts or RuntimeOptions(), device)  # e.g. tilelang on CPU: one line, early
         args.validate(par.world_size)
         self.args = args
         self.language_model_only = language_model_only and args.vision_n_layers > 0
@@ -41,16 +44,20 @@ class Transformer(nn.Module):
             self.mtp = None
             if build_dspark and args.has_dspark:
                 self.mtp = DSpark(self.ctx, self.embed, self.head)
-        # Linear layers and embedding tables hold no ModelContext: golden numerics reach them as a flag.
+        # Linear layers and embedding tables hold no ModelContext: golden numerics reach them as a flag, and
+        # Linear layers get the options that pick their GEMM kernel.
         for m in self.modules():
             if isinstance(m, (Linear, ParallelEmbedding, ParallelEngramEmbedding)):
                 m.golden = self.ctx.opts.golden
+            if isinstance(m, (Linear, RMSNorm, ParallelHead)):
+                m.opts = self.ctx.opts
         self.engram_hasher: Optional[EngramHasher] = None
         if tokenizer is not None and args.engram_layer_ids:
             self.set_tokenizer(tokenizer)
 
     def set_tokenizer(self, tokenizer) -> None:
-        """The Engram hashes need the compressed token map built from the tokenizer (modules §9.1)."""
+        """The Engram hashes need the compressed token map built from the tokenizer
+        (docs/architecture.md §9.1)."""
         token_map, size = build_compressed_token_map(tokenizer, self.args.engram_compressed_vocab_size)
         self.engram_hasher = EngramHasher(self.args, token_map, size).to(self.ctx.device)
 
@@ -59,7 +66,7 @@ class Transformer(nn.Module):
         for name, buf in self.named_buffers():
             if name.endswith("score_state"):
                 buf.fill_(float("-inf"))
-            elif buf.dtype in (torch.bfloat16, torch.float32):
+            elif buf.dtype in (torch.bfloat16, torch.float32, torch.uint8):     # uint8: packed caches
                 buf.zero_()
         self.ctx.shared.reset()
         if self.engram_hasher is not None:
@@ -68,13 +75,13 @@ class Transformer(nn.Module):
     def rollback(self, keep_until: int) -> None:
         """After an extend call (speculative verification), forget every position > keep_until: restore the
         window rings and compressor tails. Caches beyond the committed length are never read before being
-        rewritten, so they need nothing (modules §11.6)."""
+        rewritten, so they need nothing (docs/architecture.md §11.6)."""
         for layer in self.layers:
             layer.attn.rollback(keep_until)
 
     def merge_images(self, h: torch.Tensor, images, token_types, start_pos: int) -> None:
         """Overwrite each image span of h with the aligner rows and the learned start/newline/end vectors.
-        images: per batch row, a list of vision.ImageInput with `.start` set (modules §10.5)."""
+        images: per batch row, a list of vision.ImageInput with `.start` set (docs/architecture.md §10.5)."""
         if self.vision is None:
             raise ValueError("this model was built without the vision tower (vision_n_layers = 0 or "
                              "--language-model-only): prompts with images are not supported")
@@ -142,7 +149,10 @@ class Transformer(nn.Module):
                 if capture is not None:
                     capture.setdefault("engram_out", []).append(x)
             if i in a.dspark_target_layer_ids:
-                main_hiddens.append(x.mean(dim=2))                                  # the block *input*
+                if kernels.is_invariant(self.ctx.opts):
+                    main_hiddens.append(kernels.invariant.tree_mean(x.float(), dim=2).to(x.dtype))
+                else:
+                    main_hiddens.append(x.mean(dim=2))                              # the block *input*
             x, pre = layer(x, start_pos, pre, image_mask)
             if capture is not None:
                 capture.setdefault("block_out", []).append(x)
@@ -152,12 +162,13 @@ class Transformer(nn.Module):
                 if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
                     capture["candidates"] = [self.ctx.shared.candidates]
         self.ctx.decode_shapes = False
-        x = self.norm(hc_pre(x, pre))
+        x = self.norm(hc_pre(x, pre, self.ctx.opts))
         if capture is not None:
             capture["final_norm"] = [x]
         # Extend (start_pos > 0): per-position GEMVs, so every verified position's fp32 logits are
         # bit-identical to decoding it alone.
         logits = self.head(x, all_positions=all_logits, per_position=start_pos > 0)     # [B, V] / [B, S, V]
-        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature)
+        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature,
+                          invariant=kernels.is_invariant(self.ctx.opts))
         main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
         return next_ids, logits, main_hidden

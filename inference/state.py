@@ -11,15 +11,15 @@ from .rope import precompute_freqs_cis
 
 @dataclass
 class SharedAttentionState:
-    """Written by source layers and read by later layers in the same call (spec modules §7.3).
+    """Written by source layers and read by later layers in the same call (docs/architecture.md §6.3).
 
-    `index_k` persists across calls on purpose: the official code reads a stale one (modules §7.9).
+    `index_k` persists across calls on purpose: the official code reads a stale one (docs/numerics.md §14.1).
     """
     compress_kv: Optional[torch.Tensor] = None
     index_k: Optional[torch.Tensor] = None
     topk_idxs: Optional[torch.Tensor] = None
     candidates: Optional[torch.Tensor] = None
-    index_k_at_call_start: Optional[torch.Tensor] = None   # for the extend path's emulation of §7.9
+    index_k_at_call_start: Optional[torch.Tensor] = None   # extend's emulation of docs/numerics.md §14.1
 
     def reset(self):
         self.compress_kv = self.index_k = self.topk_idxs = self.candidates = None
@@ -43,13 +43,14 @@ class ModelContext:
 
     def __post_init__(self):
         a = self.args
+        inv = self.opts.order == "invariant"
         if self.window_freqs is None:
             self.window_freqs = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
-                                                     device=self.device)
+                                                     device=self.device, invariant=inv)
         if self.compress_freqs is None:
             self.compress_freqs = precompute_freqs_cis(
                 a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
-                a.beta_fast, a.beta_slow, device=self.device)
+                a.beta_fast, a.beta_slow, device=self.device, invariant=inv)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -60,8 +61,8 @@ class ModelContext:
         """fn(x, *args), in an extend call evaluated one position (index along `dim`) at a time; tensor args
         are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
         speculative loop's): the gate's token axis is then the position axis."""
-        if not self.decode_shapes or x.shape[dim] == 1:
-            return fn(x, *args)
+        if not self.decode_shapes or x.shape[dim] == 1 or self.opts.order == "invariant":
+            return fn(x, *args)          # invariant numerics: every row on its own by construction
         outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
                 for i in range(x.shape[dim])]
         if isinstance(outs[0], tuple):

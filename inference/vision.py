@@ -1,4 +1,4 @@
-"""Vision path (spec modules.md §10): image loading and resizing, image-span token layout, ViT, Aligner.
+"""Vision path (docs/architecture.md §10): image loading and resizing, image-span token layout, ViT, Aligner.
 
 The ViT and the Aligner are replicated on every rank (no tensor parallelism). Parameters are allocated empty
 (the loader fills them); build under `torch.device("meta")` to allocate nothing at all.
@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import ModelArgs
 
-# Token types (modules.md §4, §10.2).
+# Token types (docs/architecture.md §3.2, §10.2).
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
 
 HTTP_TIMEOUT_S = 30
@@ -40,7 +40,7 @@ class ImageCountError(VisionError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Image loading (§10.1)
+# Image loading (docs/architecture.md §10.1)
 # ---------------------------------------------------------------------------------------------------------
 
 def _short(s: str, n: int = 80) -> str:
@@ -123,7 +123,7 @@ def load_image(record, index: Optional[int] = None) -> Image.Image:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Resizing and patches (§10.1)
+# Resizing and patches (docs/architecture.md §10.1)
 # ---------------------------------------------------------------------------------------------------------
 
 def _llm_grid(bh: int, bw: int, p: int, r: int) -> Tuple[int, int]:
@@ -167,7 +167,7 @@ def image_geometry(width: int, height: int, args: ModelArgs) -> Tuple[int, int, 
 
 @dataclass
 class ImageInput:
-    """One preprocessed image, ready for `encode_image` and for the span of §10.2."""
+    """One preprocessed image, ready for `encode_image` and for the span of docs/architecture.md §10.2."""
     patches: torch.Tensor  # [n_vit_h * n_vit_w, 3, p, p] bf16, row-major patch order
     n_vit_h: int
     n_vit_w: int
@@ -199,7 +199,7 @@ def preprocess_image(image: Image.Image, args: ModelArgs) -> ImageInput:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Token layout and prompt expansion (§10.2)
+# Token layout and prompt expansion (docs/architecture.md §10.2)
 # ---------------------------------------------------------------------------------------------------------
 
 def image_token_types(n_llm_h: int, n_llm_w: int) -> List[int]:
@@ -247,7 +247,7 @@ def prepare_vl_inputs(ids: Sequence[int], records: Sequence, args: ModelArgs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ViT (§10.3) and Aligner (§10.4)
+# ViT (docs/architecture.md §10.3) and Aligner (docs/architecture.md §10.4)
 # ---------------------------------------------------------------------------------------------------------
 
 class VisionLinear(nn.Module):
@@ -263,7 +263,8 @@ class VisionLinear(nn.Module):
 
 
 class VisionRMSNorm(nn.Module):
-    """RMSNorm with an fp32 weight: normalise in fp32, multiply by the weight, cast back (numerics §8)."""
+    """RMSNorm with an fp32 weight: normalise in fp32, multiply by the weight, cast back
+    (docs/numerics.md §6)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -399,7 +400,8 @@ def encode_image(vision: VisionTransformer, aligner: Aligner, patches: torch.Ten
 
 def image_span_embeddings(rows: torch.Tensor, n_llm_h: int, n_llm_w: int, image_start: torch.Tensor,
                           image_newline: torch.Tensor, image_end: torch.Tensor) -> torch.Tensor:
-    """Embeddings of a whole span (§10.5): [n_llm_h * (n_llm_w + 1) + 2, dim] in image_start's dtype."""
+    """Embeddings of a whole span (docs/architecture.md §10.5): [n_llm_h * (n_llm_w + 1) + 2, dim] in
+    image_start's dtype."""
     d, dtype = rows.size(-1), image_start.dtype
     grid = rows.to(dtype).view(n_llm_h, n_llm_w, d)
     newline = image_newline.to(dtype).view(1, 1, d).expand(n_llm_h, 1, d)

@@ -246,8 +246,9 @@ def test_fp8_experts_lossless_and_official(small_hf, small_out, tmp_path):
 
 
 def test_fp8_recast_wide_scale_spread(tmp_path):
-    # Row scales spread far apart inside a block: the smallest rows underflow E4M3 (lossy, as the spec says);
-    # the converter must still round exactly like e4m3(E2M1 * s / S) in float arithmetic.
+    # Row scales spread far apart inside a block: the smallest rows underflow E4M3 (lossy,
+    # docs/checkpoint.md §3.5); the converter must still round exactly like e4m3(E2M1 * s / S) in float
+    # arithmetic.
     g = torch.Generator().manual_seed(5)
     tensors = {}
     for e in range(2):

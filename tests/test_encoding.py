@@ -84,7 +84,7 @@ def test_fixture(entry):
             assert parsed == json.loads(_read(entry["parsed"]))
 
 
-# ---- encoding.md §8 examples ----------------------------------------------------------------------------
+# ---- examples, docs/cli.md §5.5 ----------------------------------------------------------------------------
 
 
 def test_examples_basic():
@@ -183,7 +183,7 @@ def test_image_errors(msg):
         encode_messages([msg], "chat")
 
 
-# ---- encoding.md §9 quirks --------------------------------------------------------------------------------
+# ---- quirks, docs/cli.md §5.6 ------------------------------------------------------------------------------
 
 
 def test_effort_validation():
@@ -354,7 +354,7 @@ def test_malformed_inputs_raise_encoding_error():
             encode_messages(msgs, "chat")
 
 
-# ---- parser (§11) -----------------------------------------------------------------------------------------
+# ---- parser, docs/cli.md §5.8 ------------------------------------------------------------------------------
 
 
 def test_parser_spec_example():
@@ -415,7 +415,7 @@ def test_parser_rejects(text, mode):
         parse_message_from_completion_text(text, mode)
 
 
-# ---- batch input (§10) ------------------------------------------------------------------------------------
+# ---- batch input, docs/cli.md §5.7 -------------------------------------------------------------------------
 
 
 def test_parse_tagged_text():

@@ -29,7 +29,7 @@ def test_special_token_ids(tok, tok_dir):
     for text, token_id in SPECIAL_TOKEN_IDS.items():
         assert tok.token_to_id(text) == token_id, text
         assert tok.encode(text, add_special_tokens=False).ids == [token_id], text
-    # The encoder's strings are exactly the tokenizer's (encoding.md §2).
+    # The encoder's strings are exactly the tokenizer's (docs/cli.md §5.2).
     strings = [enc.BOS, enc.EOS, enc.SYSTEM_TOKEN, enc.USER_TOKEN, enc.ASSISTANT_TOKEN, enc.THINK_START,
                enc.THINK_END, enc.DSML, enc.LATEST_REMINDER_TOKEN, *enc.TASK_TOKENS.values()]
     assert [tok.token_to_id(s) for s in strings] == \

@@ -1,4 +1,4 @@
-"""Engram hashing (spec modules.md §9.1-9.3): token map, layout and row ids."""
+"""Engram hashing (docs/architecture.md §9.1-9.3): token map, layout and row ids."""
 import json
 import os
 
@@ -11,7 +11,7 @@ from inference.engram import (DEAD, EngramError, EngramHasher, EngramLayout, bui
                               is_prime)
 
 # ---------------------------------------------------------------------------------------------------------
-# Released config + real tokenizer (no ../shared needed)
+# Released config + real tokenizer (no fixture needed)
 # ---------------------------------------------------------------------------------------------------------
 
 RELEASED_PRIMES = [
@@ -135,7 +135,8 @@ def small_hasher(**kw) -> EngramHasher:
 
 
 def reference_rows(h: EngramHasher, cids: list) -> torch.Tensor:
-    """Scalar loop of §9.3 over compressed ids (DEAD allowed), for one sequence starting at 0."""
+    """Scalar loop of docs/architecture.md §9.3 over compressed ids (DEAD allowed), for one sequence
+    starting at 0."""
     lay = h.layout
     out = torch.zeros(len(cids), lay.n_layers, lay.n_cols, dtype=torch.int64)
     for p in range(len(cids)):

@@ -1,5 +1,6 @@
 """The extend path (start_pos > 0, several tokens: speculative verification) and its rollback equal
-single-token decoding (modules §11.6), including the emulation of the stale index-key defect (§7.9)."""
+single-token decoding (docs/architecture.md §11.6), including the emulation of the stale index-key defect
+(docs/numerics.md §14.1)."""
 
 import pytest
 import torch
@@ -64,7 +65,8 @@ def test_speculative_like_loop(setup):
         model.rollback(p + 1)
         p += 2
     # Once the committed history was computed in chunks, bf16 GEMMs of other shapes have rounded it
-    # differently (spec: equal "up to GEMM-shape rounding"); FP8 re-quantization amplifies that to the same
-    # noise floor as the end-to-end bounds (0.005 max on this CPU's AVX-512 path, 0.18 on the AVX2 one).
+    # differently (chunked verification equals decoding only up to GEMM-shape rounding); FP8
+    # re-quantization amplifies that to the same noise floor as the end-to-end bounds (0.005 max on this
+    # CPU's AVX-512 path, 0.18 on the AVX2 one).
     d = torch.stack(diffs)
     assert d.max() <= 0.25 and d.mean() <= 0.03, (d.max().item(), d.mean().item())

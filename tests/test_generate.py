@@ -1,4 +1,4 @@
-"""generate.py (spec cli.md §2): the generate loop, completion parsing, and the CLI end to end in
+"""generate.py (docs/cli.md §2): the generate loop, completion parsing, and the CLI end to end in
 subprocesses (batch files, JSONL output, interactive sessions under 2 ranks, early errors, scoring mode)."""
 import json
 import os
@@ -373,8 +373,8 @@ def test_images_are_expanded_and_generated_one_at_a_time(vision_tiny):
 
 def assert_close_to_reference(ours, ref, max_tol, mean_tol):
     """Max and mean |Δ| within tolerance, and the same argmax wherever the reference's top-1/top-2
-    margin exceeds twice our max |Δ| (numerics.md §15; fixture README §8.3: step 18 has a margin of
-    only 0.015)."""
+    margin exceeds twice our max |Δ| (docs/numerics.md §13.3; tests/fixtures/reference-tiny/README.md §8.3:
+    step 18 has a margin of only 0.015)."""
     d = (ours - ref).abs()
     assert d.max() <= max_tol and d.mean() <= mean_tol, (d.max(), d.mean())
     top2 = ref.topk(2, dim=-1).values
@@ -450,6 +450,6 @@ def test_score_padding_and_mp1_vs_mp2_on_converted_checkpoint(tiny):
     assert torch.equal(nan, b["logits"].isnan().all(-1))
     assert a["prefill_logits"].shape == (2, 30, tiny["vocab"])
     assert torch.allclose(a["prefill_logits"][:, -1], a["logits"][0], atol=1e-3)
-    # W = 2 reduces bf16 partials in another order (numerics §14): close, not equal
+    # W = 2 reduces bf16 partials in another order (docs/numerics.md §12): close, not equal
     d = (a["logits"][~nan] - b["logits"][~nan]).abs()
     assert d.max() <= 0.35 and d.mean() <= 0.05, (d.max(), d.mean())

@@ -1,8 +1,8 @@
 """The floor plan: the project's imports form layers that only point down, with no circle.
 
-    config, parallel, safetensors_io  ->  kernels, quant  ->  layers, rope, hyper, sampling, state  ->
-    modules (attention, compressor, indexer, sparse_attn, moe, engram, vision, block, dspark)  ->  model  ->
-    engine  ->  tools  ->  the CLIs (generate.py, convert.py)
+    config, parallel, safetensors_io  ->  kernels, quant  ->  layers, rope, hyper, sampling, state,
+    kv_cache  ->  modules (attention, compressor, indexer, sparse_attn, moe, engram, vision, block,
+    dspark)  ->  model  ->  engine  ->  tools  ->  the CLIs (generate.py, convert.py)
 
 Every import counts, also one inside a function. `encoding` (the chat format) stands beside the model: the
 engine and the CLIs use it, no model module does.
@@ -19,7 +19,7 @@ LAYERS = [
     ("base", ["inference.config", "inference.parallel", "inference.safetensors_io"]),
     ("kernels", ["inference.kernels", "inference.quant"]),
     ("layers", ["inference.layers", "inference.rope", "inference.hyper", "inference.sampling",
-                "inference.state"]),
+                "inference.state", "inference.kv_cache"]),
     ("modules", ["inference.attention", "inference.compressor", "inference.indexer", "inference.sparse_attn",
                  "inference.moe", "inference.engram", "inference.vision", "inference.block",
                  "inference.dspark"]),
@@ -144,3 +144,18 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path):
 def test_generate_py_stays_a_thin_cli():
     with open(os.path.join(ROOT, "generate.py"), encoding="utf-8") as f:
         assert sum(1 for _ in f) <= 350
+
+
+def test_lines_are_at_most_110_characters():
+    long = []
+    for folder, _, files in os.walk(ROOT):
+        rel = os.path.relpath(folder, ROOT)
+        if rel.startswith((".", "demo" + os.sep + "out")) and rel != "." or "__pycache__" in rel:
+            continue
+        for f in files:
+            if f.endswith((".py", ".sh")) or f == "run":
+                path = os.path.join(folder, f)
+                for n, line in enumerate(open(path, encoding="utf-8"), 1):
+                    if len(line.rstrip("\n")) > 110:
+                        long.append(f"{os.path.relpath(path, ROOT)}:{n}")
+    assert not long, "lines over 110 characters: " + ", ".join(long[:20])

@@ -1,4 +1,5 @@
-"""Conformance with the official reference on ../shared/fixtures/reference-tiny (its README §8)."""
+"""Conformance with the official reference on the tiny fixture
+(tests/fixtures/reference-tiny/README.md §8)."""
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_reset_changes_nothing(fx):
 def test_batch_of_two_right_padded(fx):
     """Two prompts of different lengths in one batch, run like the official generate loop (prefill the
     shortest length, then one position per call, the longer row teacher-forced from its prompt), give each
-    row what it gets alone, up to the batch-composition noise of numerics §15."""
+    row what it gets alone, up to the batch-composition noise of docs/numerics.md §13.2."""
     _, ref, _ = fx
     model = fixture_model(max_batch_size=2)
     text = torch.cat([ref["prompt_ids"], ref["generated_ids"]], dim=1)[0]        # 322 tokens

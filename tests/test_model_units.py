@@ -21,13 +21,13 @@ def released():
 @pytest.mark.parametrize("world,total,engram,experts,rest", [
     (1, 477.9, 188.8, 275.7, 13.4), (4, 122.1, 47.2, 68.9, 5.9), (8, 62.7, 23.6, 34.5, 4.7)])
 def test_meta_build_memory_plan(world, total, engram, experts, rest):
-    """Every shape of the released config, checked through the per-rank bytes of checkpoint.md §5."""
+    """Every shape of the released config, checked through the per-rank bytes of docs/checkpoint.md §6."""
     model = Transformer(released(), ParallelContext(world, 0), device="meta")
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     eng = sum(v for n, v in sizes.items() if ".engram.embed." in n)
     exp = sum(v for n, v in sizes.items() if ".experts." in n)
     tot = sum(sizes.values())
-    assert abs(tot / GIB - total) <= 0.06          # the spec rounds each figure to 0.1 GiB
+    assert abs(tot / GIB - total) <= 0.06          # the table rounds each figure to 0.1 GiB
     assert round(eng / GIB, 1) == engram and round(exp / GIB, 1) == experts
     assert round((tot - eng - exp) / GIB, 1) == rest
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -37,7 +37,7 @@ def test_meta_build_tensor_count():
     # 96,085 HF tensors minus the 43 `wo_a.scale` that conversion folds into bf16 `wo_a`
     model = Transformer(released(), device="meta")
     assert len(dict(model.named_parameters())) == 96085 - 43
-    # per-layer HF counts of checkpoint.md §1.1, each minus its wo_a.scale
+    # per-layer HF counts of docs/checkpoint.md §1.3, each minus its wo_a.scale
     assert sum(1 for n, _ in model.named_parameters() if n.startswith("layers.1.")) == 2340 - 1
     assert sum(1 for n, _ in model.named_parameters() if n.startswith("layers.20.")) == 2341 - 1
     assert sum(1 for n, _ in model.named_parameters() if n.startswith("mtp.2.")) == 802 - 1

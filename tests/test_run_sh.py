@@ -1,4 +1,4 @@
-"""run.sh (spec cli.md §4.2): usage, and the checks `run.sh generate` makes before launching torchrun."""
+"""run.sh (docs/cli.md §4.2): usage, and the checks `run.sh generate` makes before launching torchrun."""
 import os
 import subprocess
 

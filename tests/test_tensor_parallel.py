@@ -13,7 +13,8 @@ WORLD = 2
 
 
 def reshard(tensors: dict, world: int, rank: int) -> dict:
-    """Split a converted single-rank checkpoint the way convert.py splits an HF one (checkpoint.md §2)."""
+    """Split a converted single-rank checkpoint the way convert.py splits an HF one
+    (docs/checkpoint.md §2)."""
     from convert import split_rule
     experts = {}
     for name in tensors:
@@ -92,8 +93,9 @@ def test_tp2_matches_reference(tmp_path):
     top2 = ref["step_logits"].topk(2, dim=-1).values
     print("argmax flips at steps", flips, "ref margins",
           [(top2[s, 0, 0] - top2[s, 0, 1]).item() for s in flips])
-    # W = 2 reduces bf16 partials in a different order than the W = 1 reference (numerics §14), so the
-    # argmax must agree wherever the reference margin exceeds twice the observed max |d| (numerics §15).
+    # W = 2 reduces bf16 partials in a different order than the W = 1 reference (docs/numerics.md §12), so
+    # the argmax must agree wherever the reference margin exceeds twice the observed max |d|
+    # (docs/numerics.md §13.3).
     margins = top2[:, 0, 0] - top2[:, 0, 1]
     assert all(margins[s] <= 2 * d.max() for s in flips)
     dd = (got["dspark"] - ref["dspark_logits"]).abs()

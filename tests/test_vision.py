@@ -1,4 +1,5 @@
-"""Vision path (spec modules.md §10): geometry, preprocessing, token spans, image loading, ViT + Aligner."""
+"""Vision path (docs/architecture.md §10): geometry, preprocessing, token spans, image loading,
+ViT + Aligner."""
 import base64
 import copy
 import io
@@ -19,10 +20,10 @@ from inference.vision import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, TEX
                               prepare_vl_inputs, preprocess_image)
 
 # ---------------------------------------------------------------------------------------------------------
-# Geometry (§10.1)
+# Geometry (docs/architecture.md §10.1)
 # ---------------------------------------------------------------------------------------------------------
 
-# The table of modules.md §10.1: W0 x H0 -> (bh, bw), ViT grid, LLM grid, tokens.
+# Worked sizes (docs/architecture.md §10.1): W0 x H0 -> (bh, bw), ViT grid, LLM grid, tokens.
 SPEC_TABLE = [
     (640, 480, (490, 644), (35, 46), (12, 16), 206),
     (1920, 1080, (966, 1708), (69, 122), (23, 41), 968),
@@ -39,7 +40,8 @@ def test_geometry_spec_table(w0, h0, b, vit, llm, tokens):
     assert image_geometry(w0, h0, ModelArgs()) == (*b, *vit, *llm, tokens)
 
 
-# Edge cases, worked by hand from the steps of §10.1 (released config: M = 1024, min_pixels = 544²).
+# Edge cases, worked by hand from the steps of docs/architecture.md §10.1 (released config: M = 1024,
+# min_pixels = 544²).
 EDGE_CASES = [
     # 1x1: f = 544 -> 544x544 -> 39x39 patches.
     (1, 1, None, (546, 546, 39, 39, 13, 13, 184)),
@@ -120,7 +122,7 @@ def test_preprocess_pad_vs_plain_resize():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Token spans (§10.2)
+# Token spans (docs/architecture.md §10.2)
 # ---------------------------------------------------------------------------------------------------------
 
 def test_image_token_types():
@@ -176,7 +178,7 @@ def test_image_span_embeddings():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Image loading (§10.1)
+# Image loading (docs/architecture.md §10.1)
 # ---------------------------------------------------------------------------------------------------------
 
 def _png_bytes(img):
@@ -225,7 +227,7 @@ def test_load_image_errors(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ViT + Aligner (§10.3, §10.4)
+# ViT + Aligner (docs/architecture.md §10.3, §10.4)
 # ---------------------------------------------------------------------------------------------------------
 
 SMALL = dict(vision_n_layers=2, vision_dim=256, vision_n_heads=4, vision_inter_dim=96, dim=128,

@@ -1,7 +1,7 @@
-"""generate.py with images, end to end on the demo model (vision tower on; spec cli.md §2, modules.md §10):
-batch (JSON image blocks, text files with <image>path</image>), interactive, --score with messages, at MP 1
-and MP 2, and the one-line errors (unreadable image, placeholder/image count, image outside the prefill
-chunk, --language-model-only, a model without a vision tower)."""
+"""generate.py with images, end to end on the demo model (vision tower on; docs/cli.md §2.8,
+docs/architecture.md §10): batch (JSON image blocks, text files with <image>path</image>), interactive,
+--score with messages, at MP 1 and MP 2, and the one-line errors (unreadable image, placeholder/image
+count, image outside the prefill chunk, --language-model-only, a model without a vision tower)."""
 import json
 import os
 import subprocess
@@ -60,8 +60,8 @@ def cli_args(demo, mp=1):
 
 
 def expected_prompt_tokens(demo, messages):
-    """Spec formula (modules §10.2): text tokens with one placeholder per image, each placeholder replaced
-    by its span of n_llm_h * (n_llm_w + 1) + 2 positions."""
+    """The span formula of docs/architecture.md §10.2: text tokens with one placeholder per image, each
+    placeholder replaced by its span of n_llm_h * (n_llm_w + 1) + 2 positions."""
     from PIL import Image
     from encoding import encode_messages
     from inference.vision import image_geometry

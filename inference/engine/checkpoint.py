@@ -2,18 +2,17 @@
 import glob
 import os
 import re
+import sys
+from typing import Optional
 
 import torch
 from safetensors import safe_open
 
 from ..model import Transformer
+from ..safetensors_io import read_header
 from .errors import InputError
+from .memory import STORED_AS_BF16 as _WIDEN, fix_hint, gib, plan_memory, verdict_line
 
-# Held in fp32 by the model although stored as bf16 (exact widening).
-_WIDEN = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight"
-                    r"|mtp\.\d+\.confidence_head\.proj\.weight"
-                    r"|layers\.\d+\.attn\.compressor\.(wkv|wgate)\.weight"
-                    r"|vision\.blocks\.\d+\.norm[12]\.weight|vision\.norm\.weight)$")
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
 _ALIAS = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
 _VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
@@ -62,12 +61,15 @@ def check_writable(path: str) -> None:
         raise InputError(f"output folder is not writable: {folder}")
 
 
-def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_size: int = 1) -> None:
-    """Copy every tensor of this rank's file into the model's pre-allocated parameters, one at a time."""
+def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_size: int = 1,
+                    progress: bool = False) -> None:
+    """Copy every tensor of this rank's file into the model's pre-allocated parameters, one at a time.
+    `progress`: a bar over the shard's bytes (rate, ETA) on stderr."""
     check_shards(ckpt_dir, world_size)
     path = shard_path(ckpt_dir, rank, world_size)
     params = dict(model.named_parameters())
     try:
+        infos, _ = read_header(path)
         f = safe_open(path, framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise CheckpointError(f"cannot read {path}: {e}") from None
@@ -83,7 +85,18 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
         raise CheckpointError(f"{path} does not match the model: {'; '.join(parts)}")
-    for name in sorted(keys - {k for k in keys if _ALIAS.match(k)}):
+    names = sorted(keys - {k for k in keys if _ALIAS.match(k)})
+    mapped = [n for n in names if params[n].is_meta]         # Engram tables left on disk: mapped, not read
+    if mapped:
+        attach_mapped(model, path, {n: infos[n] for n in mapped})
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(infos[n].nbytes for n in names if n not in mapped), unit="B", unit_scale=True,
+                   unit_divisor=1024, desc=f"load {os.path.basename(path)}", file=sys.stderr, mininterval=1.0)
+    for name in names:
+        if name in mapped:
+            continue
         p = params[name]
         t = f.get_tensor(name)
         if tuple(t.shape) != tuple(p.shape):
@@ -98,9 +111,31 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
             else:
                 p.copy_(t)
         del t
+        if bar is not None:
+            bar.update(infos[name].nbytes)
+    if bar is not None:
+        bar.close()
     for m in model.modules():
         if hasattr(m, "clear_cache"):
             m.clear_cache()
+
+
+_MAPPABLE = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+def attach_mapped(model: torch.nn.Module, path: str, infos: dict) -> None:
+    """Memory-map the shard file once and hand each module its tensors as views of it: pages are read from
+    disk only when rows are looked up (a private mapping: nothing is ever written back)."""
+    data = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+    for name, info in infos.items():
+        if info.dtype not in _MAPPABLE:
+            raise CheckpointError(f"{path}: tensor {name} is {info.dtype}; only FP8 tables can stay on disk")
+        t = data[info.offset:info.offset + info.nbytes].view(_MAPPABLE[info.dtype]).view(info.shape)
+        owner, attr = name.rsplit(".", 1)
+        try:
+            model.get_submodule(owner).attach(attr, t)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: tensor {name}: {e} (world size?)") from None
 
 
 def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
@@ -115,13 +150,33 @@ def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
             os.remove(tmp)
 
 
+def check_memory(args, par, opts, device: str, language_model_only: bool = False, log=print,
+                 gpu_mem: Optional[int] = None) -> None:
+    """Before anything is allocated: log the memory plan's verdict, and stop with one line naming the fix
+    when the weights, caches and a decode step's workspace cannot fit the GPU (or the `gpu_mem` budget)."""
+    on_gpu = device.startswith("cuda") or gpu_mem is not None
+    plan = plan_memory(args, par.world_size, opts, ranks=[par.rank], language_model_only=language_model_only,
+                       on_gpu=on_gpu)
+    capacity = gpu_mem
+    if capacity is None and device.startswith("cuda"):
+        capacity = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    log(verdict_line(plan, device, capacity))
+    if capacity is not None and not plan.fits_decode(capacity):
+        r = plan.worst
+        raise CheckpointError(f"the model does not fit: rank {r.rank} needs "
+                              f"{gib(r.resident_bytes + r.phase_bytes('decode'))} on {device}, which has "
+                              f"{gib(capacity)}: {fix_hint(plan)}")
+
+
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,
-               language_model_only: bool = False, log=print):
-    """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`."""
+               language_model_only: bool = False, log=print, gpu_mem: Optional[int] = None):
+    """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`, after checking
+    that it fits (on CUDA, or within a `gpu_mem` byte budget)."""
+    check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
     log("build model")
     model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only)
     log("load model")
-    load_checkpoint(model, ckpt_dir, par.rank, par.world_size)
+    load_checkpoint(model, ckpt_dir, par.rank, par.world_size, progress=par.rank == 0)
     model.eval()
     log("model ready")
     return model

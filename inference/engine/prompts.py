@@ -59,7 +59,7 @@ def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where
 
 def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
                        vision: bool = True) -> List[Prompt]:
-    """A `.json` case file or a blank-line-separated text file -> prompts (cli.md §2.5)."""
+    """A `.json` case file or a blank-line-separated text file -> prompts (docs/cli.md §2.5)."""
     if not os.path.isfile(path):
         raise InputError(f"input file not found: {path}")
     if path.endswith(".json"):
@@ -113,8 +113,8 @@ def encode_turn(messages: List[Dict[str, Any]], line: str, tokenizer, margs: Mod
 def parse_completion(text: str, reason: str, thinking_mode: str) -> Tuple[Dict[str, Any], Optional[str]]:
     """Assistant message of a completion, and why the strict parser was bypassed (None if it was not).
 
-    The official loop hands the parser a text without EOS, so it fails on every plain reply (cli.md §2.4):
-    re-append EOS when generation stopped on it; otherwise keep the raw text.
+    The official loop hands the parser a text without EOS, so it fails on every plain reply
+    (docs/cli.md §2.4): re-append EOS when generation stopped on it; otherwise keep the raw text.
     """
     problem = None
     if reason == "eos":

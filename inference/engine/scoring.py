@@ -24,8 +24,9 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
     without images); they go to the prefill only, so every image span must end within [0, P).
 
     dspark: after every forward, DSpark's forward_spec with the next teacher token (the forward's own sampled
-    token where the row has none) and that forward's main_hidden, at its start_pos (fixture README §5):
-    forward 0 seeds the rings; forward k gives dspark_*[k-1] (NaN / -1 where logits[k, b] is NaN)."""
+    token where the row has none) and that forward's main_hidden, at its start_pos
+    (tests/fixtures/reference-tiny/README.md §5): forward 0 seeds the rings; forward k gives dspark_*[k-1]
+    (NaN / -1 where logits[k, b] is NaN)."""
     stats = stats if stats is not None else Stats()
     device = next(model.parameters()).device
     bsz, lens = len(seqs), [len(s) for s in seqs]
@@ -124,7 +125,8 @@ class CaptureRecorder:
 
     def metadata(self) -> Dict[str, str]:
         a, opts = self.model.args, self.model.ctx.opts
-        numerics = "golden" if opts.golden else "fixed" if opts.fix_index_k_publish else "reference"
+        numerics = ("golden" if opts.golden else "fixed" if opts.fix_index_k_publish
+                    else "fast" if opts.order == "fast" else "reference")
         return {"format": "parity-capture", "steps": str(len(self.steps)), "numerics": numerics,
                 "world_size": str(self.model.ctx.par.world_size), "n_layers": str(a.n_layers),
                 "engram_layer_ids": json.dumps(list(a.engram_layer_ids)),

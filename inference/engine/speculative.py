@@ -1,4 +1,4 @@
-"""Speculative decoding with the DSpark draft head (spec modules §11.5), for a batch of prompts.
+"""Speculative decoding with the DSpark draft head (docs/architecture.md §11.5), for a batch of prompts.
 
 Each step drafts a block with `model.mtp.forward_spec`, lets the main model verify the first k drafts, keeps
 the longest valid prefix plus one token of the main model's own, and forgets what the rejected drafts
@@ -16,7 +16,7 @@ Sampling: standard speculative rejection sampling, so the output is distributed 
 not the same random draw as the Gumbel-max decoder).
 
 Every rank runs this loop on identical all-gathered logits and draws from the same seeded RNG in the same
-order, so every rank takes the same decisions without communicating (numerics §13).
+order, so every rank takes the same decisions without communicating (docs/numerics.md §11).
 """
 import time
 from dataclasses import dataclass, field
@@ -34,7 +34,7 @@ VERIFY_MODES = ("chunked", "sequential")
 # ---------------------------------------------------------------------------------------------------------
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The distribution `sample` draws from (numerics §13): softmax(logits / max(T, 1e-5)) in fp32."""
+    """The distribution `sample` draws from (docs/numerics.md §11): softmax(logits / max(T, 1e-5)) in fp32."""
     return torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
 
 

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ..config import ModelArgs
+from ..config import ModelArgs, RuntimeOptions
 
-# A model shaped like ../shared/fixtures/reference-tiny (every layer role), with the real vocabulary.
+# A model shaped like tests/fixtures/reference-tiny (every layer role), with the real vocabulary.
 TINY = dict(vocab_size=129280, dim=256, n_layers=8, n_mtp_layers=2, n_heads=4, head_dim=128, rope_head_dim=32,
             q_lora_rank=128, o_groups=2, o_lora_rank=64, moe_inter_dim=128, n_routed_experts=8,
             n_activated_experts=3, window_size=64, compress_ratios=[0, 2, 2, 1, 1, 1, 1, 1, 0, 0],
@@ -60,7 +60,7 @@ def _prime_sums(args: ModelArgs):
     return sums
 
 
-def build(name: str, args: ModelArgs, workdir: str, device: str):
+def build(name: str, args: ModelArgs, workdir: str, device: str, opts: RuntimeOptions = None):
     """Synthetic HF checkpoint -> convert.py at MP 1 -> Transformer (all cached in workdir)."""
     from encoding.tokenizer import load_tokenizer
     from ..engine.checkpoint import load_checkpoint
@@ -74,7 +74,7 @@ def build(name: str, args: ModelArgs, workdir: str, device: str):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         subprocess.run([sys.executable, os.path.join(root, "convert.py"), "--hf-ckpt-path", hf,
                         "--save-path", ckpt, "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
-    model = Transformer(args, device=device, tokenizer=load_tokenizer(ckpt))
+    model = Transformer(args, opts=opts, device=device, tokenizer=load_tokenizer(ckpt))
     load_checkpoint(model, ckpt)
     return model
 
@@ -101,16 +101,24 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
+def engram_bytes_moved(model) -> int:
+    """Engram table bytes copied to the model's device so far (0 when the tables live there)."""
+    return sum(layer.engram.embed.bytes_moved for layer in model.layers if layer.engram is not None)
+
+
 def bench_context(model, context: int, steps: int, gen: torch.Generator):
+    """-> (prefill tokens/s, decode ms/step, Engram bytes moved per decode step)."""
     model.reset()
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen)
     _, t_prefill = timed(lambda: model(ids[:, :context], 0))
+    moved = engram_bytes_moved(model)
     times = []
     for i in range(steps):
         _, t = timed(lambda: model(ids[:, context + i:context + i + 1], context + i))
         times.append(t)
+    moved = (engram_bytes_moved(model) - moved) / steps
     times = sorted(times)[:max(1, len(times) - len(times) // 4)]      # drop the slowest quarter (noise)
-    return context / t_prefill, 1e3 * sum(times) / len(times)
+    return context / t_prefill, 1e3 * sum(times) / len(times), moved
 
 
 def main(argv=None):
@@ -122,25 +130,35 @@ def main(argv=None):
                     help="where the synthetic checkpoints are cached")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--numerics", default="reference",
+                    help="generate.py's --numerics words: reference (exact order on CPU), fast (loop-free "
+                         "kernels), invariant (the same bits on every machine), ...")
+    ap.add_argument("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto")
+    ap.add_argument("--engram-on", choices=["device", "host", "disk"], default="device",
+                    help="where the Engram tables live; host/disk copy the looked-up rows (bytes reported)")
     opts = ap.parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     contexts = [int(c) for c in opts.contexts.split(",")]
     gen = torch.Generator().manual_seed(0)
     os.makedirs(opts.workdir, exist_ok=True)
-    print(f"device {opts.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"device {opts.device}, {torch.get_num_threads()} threads, torch {torch.__version__}, numerics "
+          f"{opts.numerics}, kernel backend {opts.kernel_backend}")
     for name in opts.models.split(","):
         args = make_args(name, max(contexts) + opts.decode_steps + 8)
-        model = build(name, args, opts.workdir, opts.device)
+        runtime = RuntimeOptions.from_profile(opts.numerics, kernel_backend=opts.kernel_backend,
+                                              engram_on=opts.engram_on)
+        model = build(name, args, opts.workdir, opts.device, runtime)
         per_token = weight_bytes_per_token(model)
         print(f"[{name}] dim {args.dim}, {args.n_layers} layers, {args.n_routed_experts} experts, "
               f"{per_token / 1e6:.1f} MB of weights read per decode step")
         results = {}
         for ctx in contexts:
-            tps, ms = bench_context(model, ctx, opts.decode_steps, gen)
+            tps, ms, moved = bench_context(model, ctx, opts.decode_steps, gen)
             results[ctx] = ms
             print(f"[{name}] context {ctx:6d}: prefill {tps:9.1f} tok/s | decode {ms:8.1f} ms/step "
-                  f"({1e3 / ms:6.2f} tok/s, {per_token / ms / 1e6:6.2f} GB/s of weights)")
+                  f"({1e3 / ms:6.2f} tok/s, {per_token / ms / 1e6:6.2f} GB/s of weights) | Engram on "
+                  f"{opts.engram_on}: {moved / 1e3:.1f} KB moved per step")
         if len(contexts) > 1:
             lo, hi = min(contexts), max(contexts)
             print(f"[{name}] decode cost at {hi} vs {lo} context: {results[hi] / results[lo]:.2f}x")

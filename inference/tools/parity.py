@@ -30,9 +30,10 @@ compared on the whole vocabulary, cosine and |Δ| on the raw logits. A top-k fil
 comparison on the shared top-k support, and the report says so: at each position, full logits are
 log-softmaxed over the vocabulary, restricted to the ids both sides give and renormalised, top-k log-probs
 are renormalised on the same ids, and KL, cosine and |Δ| are taken on these renormalised log-probs. Top-1
-is always each side's own best token. The default tolerances are the parity targets of spec numerics.md §15
-(max / mean |Δ|: tiny model, same world size and device; KL, cosine, top-1: released weights); `inf` or 0
-switches a check off. Exit status: 0 when every check passes, 1 when one fails, 2 on bad input.
+is always each side's own best token. The default tolerances are the parity targets of
+docs/numerics.md §13.3 (max / mean |Δ|: tiny model, same world size and device) and docs/numerics.md §13.4
+(KL, cosine, top-1: released weights); `inf` or 0 switches a check off. Exit status: 0 when every check
+passes, 1 when one fails, 2 on bad input.
 
 compare-blocks: at which forward and block do two runs part?
 
@@ -45,16 +46,16 @@ forwards whose logits the dump holds): `stepKK.engram_hashes` [B, s, n_engram, c
 compressed rows, offset by the window rows), `stepKK.candidates` [B, s, T] U8, `stepKK.block_out`
 [n_layers, B, s, hc, D], `stepKK.block_pre_mix` [n_layers, B, s, hc], `stepKK.final_norm` [B, s, D]; our
 captures add `stepKK.input_ids` [B, s] and `stepKK.start_pos` [1]. Streams are compared by relative
-Frobenius error |A - B| / |B| (<= --rtol, fixture README §8.2), the collapse weights by max |Δ|
-(<= --pre-mix-atol), ids, hashes, selections and candidate masks exactly. The checks run in execution
-order (forward by forward; inside one: ids, hashes, then per block its Engram, its index selection, its
-candidate mask, its output and collapse weights; last the final norm) and the first one that fails is
+Frobenius error |A - B| / |B| (<= --rtol, tests/fixtures/reference-tiny/README.md §8.2), the collapse weights
+by max |Δ| (<= --pre-mix-atol), ids, hashes, selections and candidate masks exactly. The checks run in
+execution order (forward by forward; inside one: ids, hashes, then per block its Engram, its index selection,
+its candidate mask, its output and collapse weights; last the final norm) and the first one that fails is
 named. Later forwards inherit a divergence through the caches, so only the first locates it. Runs of two
 different implementations also differ by rounding noise that compounds along the depth (ours against the
-fixture end to end: 2e-5 after block 0, 1e-3 after block 1, 2e-2 after block 7), so across
-implementations look for a jump above that floor, or raise --rtol; a bug shows up as a jump.
+fixture end to end: 2e-5 after block 0, 1e-3 after block 1, 2e-2 after block 7), so across implementations
+look for a jump above that floor, or raise --rtol; a bug shows up as a jump.
 
-Worked example on the reference-tiny fixture (FIX = ../shared/fixtures/reference-tiny), under the CPU code
+Worked example on the reference-tiny fixture (FIX = tests/fixtures/reference-tiny), under the CPU code
 paths the fixture was made with (README, bit-level note; without them the official top-1/top-2 margin of
 0.015 at the fixture's step 18 flips, and the top-1 check fails at 20/21):
 
@@ -247,11 +248,18 @@ def _topk(ids: List[int], logprobs: List[Optional[float]]) -> TopK:
 
 @dataclass
 class Tolerances:
-    atol_max: float = 0.25     # numerics.md §15.4: tiny random-weight model against the official logits
+    atol_max: float = 0.25     # docs/numerics.md §13.3: tiny random-weight model against the official logits
     atol_mean: float = 0.03
-    max_kl: float = 1e-3       # §15.5, released weights: mean KL(official || ours), mean cosine, top-1
+    max_kl: float = 1e-3       # docs/numerics.md §13.4, released weights: mean KL(official || ours),
+                               # mean cosine, top-1
     min_cos: float = 0.999
     min_top1: float = 0.995
+    # A top-1 flip where B's top-1/top-2 margin is below this is a near tie that rounding alone can flip:
+    # two runs whose logits differ by at most d can swap two tokens whose margin is below 2 d. DeepSeek's own
+    # code, run on two x86 CPUs (tests/fixtures/reference-tiny vs reference-tiny-cpu2), differs by up to
+    # d = 0.160, hence 0.32. Such flips are listed and count as agreement; a flip at a wider margin counts
+    # against --min-top1.
+    tie_margin: float = 0.32
 
 
 @dataclass
@@ -374,25 +382,34 @@ def first_divergence(st: PositionStats, tol: Tolerances) -> Optional[Tuple[int, 
     return int(st.positions[j]), "; ".join(why + [f"KL {float(st.kl[j]):.3g}"])
 
 
-def summarize(st: PositionStats) -> Dict[str, float]:
+def near_ties(st: PositionStats, tol: "Tolerances") -> torch.Tensor:
+    """bool [n]: top-1 flips at a B margin below tol.tie_margin (a NaN margin is not a near tie)."""
+    return ~st.agree & (st.margin < tol.tie_margin)
+
+
+def summarize(st: PositionStats, tol: Optional["Tolerances"] = None) -> Dict[str, float]:
+    tol = tol or Tolerances()
     flips = st.margin[~st.agree]
+    ties = near_ties(st, tol)
     return {"n": st.kl.numel(), "kl_mean": st.kl.mean().item(), "kl_max": st.kl.max().item(),
             "cos_mean": st.cos.mean().item(), "cos_min": st.cos.min().item(),
             "top1": st.agree.double().mean().item(), "agree": int(st.agree.sum()),
+            "near_ties": int(ties.sum()), "top1_beyond_ties": (st.agree | ties).double().mean().item(),
             "flip_margin": flips.max().item() if flips.numel() else 0.0,
             "dmax": st.dmax.max().item(), "dmean": (st.dsum.sum() / st.dcount.sum()).item()}
 
 
 def check(s: Dict[str, float], tol: Tolerances) -> List[Tuple[str, bool]]:
-    flips = s["n"] - s["agree"]
-    top1 = f"top-1 {100 * s['top1']:.2f}% >= {100 * tol.min_top1:g}%"
+    flips, ties = s["n"] - s["agree"], s["near_ties"]
+    top1 = f"top-1 {100 * s['top1_beyond_ties']:.2f}% >= {100 * tol.min_top1:g}%"
     if flips:
-        top1 += f" ({flips} flip(s), B margin there <= {s['flip_margin']:.3g})"
+        top1 += (f" ({flips} flip(s), B margin there <= {s['flip_margin']:.3g}; {ties} of them near ties "
+                 f"below {tol.tie_margin:g}, counted as agreement)")
     return [(f"max|Δ| {s['dmax']:.4g} <= {tol.atol_max:g}", s["dmax"] <= tol.atol_max),
             (f"mean|Δ| {s['dmean']:.4g} <= {tol.atol_mean:g}", s["dmean"] <= tol.atol_mean),
             (f"mean KL {s['kl_mean']:.4g} <= {tol.max_kl:g}", s["kl_mean"] <= tol.max_kl),
             (f"mean cos {s['cos_mean']:.6f} >= {tol.min_cos:g}", s["cos_mean"] >= tol.min_cos),
-            (top1, s["top1"] >= tol.min_top1)]
+            (top1, s["top1_beyond_ties"] >= tol.min_top1)]
 
 
 def run_compare(path_a: str, path_b: str, tol: Optional[Tolerances] = None, out=None) -> bool:
@@ -422,8 +439,13 @@ def run_compare(path_a: str, path_b: str, tol: Optional[Tolerances] = None, out=
 
     firsts = [first_divergence(st, tol) for st in stats]
     for i, (st, div) in enumerate(zip(stats, firsts)):
-        row(str(i), summarize(st), "-" if div is None else f"position {div[0]}: {div[1]}")
-    overall = summarize(PositionStats.cat(stats))
+        row(str(i), summarize(st, tol), "-" if div is None else f"position {div[0]}: {div[1]}")
+    for i, st in enumerate(stats):
+        for j in near_ties(st, tol).nonzero().flatten().tolist():
+            p(f"near-tie flip: sequence {i}, position {int(st.positions[j])}: top-1 {int(st.top1[j, 0])} vs "
+              f"{int(st.top1[j, 1])} where B's top-1/top-2 margin is {float(st.margin[j]):.3g} < "
+              f"{tol.tie_margin:g} (--tie-margin): rounding can flip it")
+    overall = summarize(PositionStats.cat(stats), tol)
     if len(stats) > 1:
         seq = next((i for i, div in enumerate(firsts) if div is not None), None)
         row("all", overall, "-" if seq is None else f"sequence {seq}, position {firsts[seq][0]}")
@@ -586,11 +608,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     c.add_argument("--min-cos", type=float, default=t.min_cos, help=f"mean cosine (default {t.min_cos})")
     c.add_argument("--min-top1", type=float, default=t.min_top1,
                    help=f"top-1 agreement, a fraction (default {t.min_top1})")
+    c.add_argument("--tie-margin", type=float, default=t.tie_margin,
+                   help=f"top-1 flips where B's top-1/top-2 margin is below this are near ties: listed, "
+                        f"counted as agreement (default {t.tie_margin}: twice the reference's own spread "
+                        f"between two CPUs)")
     cb = sub.add_parser("compare-blocks", help="name the first forward and block where two captures differ")
     cb.add_argument("a", help="block capture (score_with_capture, --capture-blocks) or intermediates file")
     cb.add_argument("b", help="the baseline, of the same kinds")
     cb.add_argument("--rtol", type=float, default=1e-3,
-                    help="relative Frobenius error of the streams (default 1e-3, fixture README §8.2)")
+                    help="relative Frobenius error of the streams (default 1e-3, "
+                    "tests/fixtures/reference-tiny/README.md §8.2)")
     cb.add_argument("--pre-mix-atol", type=float, default=1e-4,
                     help="max |Δ| of the collapse weights block_pre_mix (default 1e-4)")
     return p.parse_args(argv)
@@ -600,7 +627,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     o = parse_args(argv)
     try:
         if o.command == "compare":
-            tol = Tolerances(o.atol_max, o.atol_mean, o.max_kl, o.min_cos, o.min_top1)
+            tol = Tolerances(o.atol_max, o.atol_mean, o.max_kl, o.min_cos, o.min_top1, o.tie_margin)
             return 0 if run_compare(o.a, o.b, tol) else 1
         return 0 if run_compare_blocks(o.a, o.b, o.rtol, o.pre_mix_atol) is None else 1
     except ParityError as e:

@@ -2,10 +2,10 @@
 
     python -m inference.tools.synthetic --config CFG --out DIR [--seed S] [--shards N] [--tokenizer PATH]
 
-Writes what the released HF repository holds (spec checkpoint.md §1): `*.safetensors` shards with the
+Writes what the released HF repository holds (docs/checkpoint.md §1): `*.safetensors` shards with the
 released tensor names, dtypes and quantization formats, `model.safetensors.index.json`, the HF root
-`config.json` (config.md §5), the tokenizer files, and — for convenience — the flat inference config as
-`inference/config.json`. `convert.py` turns it into `model{i}-mp{W}.safetensors`.
+`config.json` (docs/checkpoint.md §1.4), the tokenizer files, and — for convenience — the flat inference
+config as `inference/config.json`. `convert.py` turns it into `model{i}-mp{W}.safetensors`.
 
 Formats: FP8 Linears = E4M3 weight + UE8M0 32×32 block scales; routed experts = MXFP4 (two E2M1 codes per
 I8 byte, low nibble = even element along K) + UE8M0 per 32 inputs of a row; Engram tables = E4M3 + UE8M0
@@ -13,7 +13,7 @@ per row per 32 columns. Every scale is the smallest power of two 2^p with qmax·
 (qmax = 448 for E4M3, 6 for E2M1), found exactly (no rounding cast); values are then rounded to nearest
 even. `dtype = "bf16"` stores Linears as plain BF16; `expert_dtype = null` gives experts the Linear format.
 
-Weight statistics: those of ../shared/fixtures/reference-tiny, whose weights follow measurements of the
+Weight statistics: those of tests/fixtures/reference-tiny, whose weights follow measurements of the
 released checkpoint (norm-weight means, projection gains); small sub-block norms keep the residual stream
 dominant, which keeps the model as well-conditioned as the real one (tensor-parallel rounding then moves
 logits by ~0.1, not by whole units). gain g below means N(0, (g / sqrt(in_features))^2).
@@ -95,7 +95,7 @@ class Param:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The tensor list (checkpoint.md §1.1, generalised to any config)
+# The tensor list (docs/checkpoint.md §1.2, generalised to any config)
 
 def _linear(args: ModelArgs, name: str, out: int, inp: int, gain: float = 1.0) -> Param:
     std = ("normal", 0.0, gain * inp ** -0.5)
@@ -249,7 +249,7 @@ def hf_tensor_specs(args: ModelArgs) -> List[Tuple[str, str, List[int]]]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# HF root config (config.md §5)
+# HF root config (docs/checkpoint.md §1.4)
 
 def hf_config(args: ModelArgs) -> dict:
     text = {
