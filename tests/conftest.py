@@ -9,6 +9,11 @@ os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
+# `bash run.sh test` runs two pytest workers on two cores: one torch thread each, or they fight for the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch  # noqa: E402
+    torch.set_num_threads(1)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
