@@ -81,8 +81,15 @@ class RankLog:
 
     def warning(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"warning: {msg}", file=sys.stderr, flush=True)
+            _line(f"warning: {msg}")
 
     def error(self, msg: str) -> None:
         prefix = f"[rank {self.rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{prefix}error: {msg}", file=sys.stderr, flush=True)
+        _line(f"{prefix}error: {msg}")
+
+
+def _line(text: str) -> None:
+    """One write per line: the ranks share stderr, and print() writes the text and the newline apart, so two
+    ranks' messages could interleave on one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
