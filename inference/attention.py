@@ -66,6 +66,7 @@ class Attention(nn.Module):
                                       requires_grad=False)
         # Caches hold already-rounded values: packed FP8 / FP4 codes and scales unless numerics are golden.
         register_cache(self, "kv_cache", (args.max_batch_size, self.window, args.head_dim), "fp8", ctx)
+        self._inv_wo_a = None    # the invariant order's layout of wo_a, one per group
         self.compressor = self.indexer = None
         if self.is_backbone and layer_id in args.kv_source_layers:
             self.compressor = Compressor(args, self.ratio)
@@ -74,6 +75,9 @@ class Attention(nn.Module):
                                                     args.head_dim), "fp4_e4m3", ctx)
         if self.is_backbone and layer_id in args.index_source_layers:
             self.indexer = Indexer(layer_id, ctx)
+
+    def clear_cache(self):
+        self._inv_wo_a = None
 
     def rollback(self, keep_until: int) -> None:
         """Undo the ring writes of an extend call for positions > keep_until."""
@@ -108,7 +112,10 @@ class Attention(nn.Module):
         o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
         wo_a = self.wo_a.weight.to(o.dtype).view(self.n_local_groups, self.o_lora_rank, -1)   # fp32 if golden
         if kernels.is_invariant(self.ctx.opts):
-            o = torch.stack([kernels.invariant.linear(o[:, :, g], wo_a[g]) for g in range(o.shape[2])], 2)
+            if self._inv_wo_a is None:
+                self._inv_wo_a = [kernels.invariant.PreparedWeight.of(w) for w in wo_a]
+            o = torch.stack([kernels.invariant.linear(o[:, :, g], None, prepared=p)
+                             for g, p in enumerate(self._inv_wo_a)], 2)
         else:
             o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                         # [B, S, G_l, o_lora]
         return self.wo_b(o.flatten(2))                                          # [B, S, D]

@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from . import kernels
 from .attention import Attention
 from .engram import Engram
 from .hyper import hc_mixes, hc_post, hc_pre
@@ -41,17 +42,27 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_fn", empty_param((n_mix, width)))
             self.register_parameter(f"hc_{site}_base", empty_param((n_mix,)))
             self.register_parameter(f"hc_{site}_scale", empty_param((3,)))
+        self._inv_hc = {}
         self.engram = None
         if backbone and layer_id in a.engram_layer_ids:
             self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par, ctx.opts.engram_on,
                                  pin=str(ctx.device).startswith("cuda"))
             self.engram.invariant = ctx.opts.order == "invariant"
 
+    def clear_cache(self):
+        self._inv_hc = {}    # the invariant order's layout of hc_attn_fn / hc_ffn_fn
+
     def mixes(self, x: torch.Tensor, site: str):
         a = self.ctx.args
-        fn = lambda u: hc_mixes(u, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                                getattr(self, f"hc_{site}_base"), a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps,
-                                a.norm_eps, self.ctx.opts)
+        weight = getattr(self, f"hc_{site}_fn")
+        prepared = None
+        if self.ctx.opts.order == "invariant":
+            if site not in self._inv_hc:
+                self._inv_hc[site] = kernels.invariant.PreparedWeight.of(weight)
+            prepared = self._inv_hc[site]
+        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+        fn = lambda u: hc_mixes(u, weight, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
+                                self.ctx.opts, prepared)
         return self.ctx.per_position(fn, x)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,

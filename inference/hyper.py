@@ -10,11 +10,11 @@ from .kernels.reference import hc_split_sinkhorn  # noqa: F401  (the reference s
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-             iters: int, hc_eps: float, norm_eps: float, opts: RuntimeOptions):
+             iters: int, hc_eps: float, norm_eps: float, opts: RuntimeOptions, prepared=None):
     """x [B, S, hc, D] bf16 -> (pre, post, comb) from one rsqrt over all hc*D values per token."""
     u = x.flatten(2).float()                                        # [B, S, hc*D]
     if kernels.is_invariant(opts):
-        mixes = kernels.invariant.hc_mixes_linear(u, fn, norm_eps)
+        mixes = kernels.invariant.hc_mixes_linear(u, fn, norm_eps, prepared)
         return kernels.hc_split_sinkhorn(opts, mixes, scale, base, hc, iters, hc_eps)
     rsqrt = torch.rsqrt(u.square().mean(-1, keepdim=True) + norm_eps)
     mixes = F.linear(u, fn) * rsqrt                                 # GEMM first, then the scalar

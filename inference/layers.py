@@ -40,6 +40,7 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"unknown Linear kind {kind!r}")
         self._deq: Optional[torch.Tensor] = None
+        self._inv = None   # the invariant order's layout of the weight
         self.golden = False   # set by the Transformer: fp32 GEMM, no activation quantization
         self.opts = RuntimeOptions()   # set by the Transformer: kernel backend and summation order
         # Off CPU, keep the dequantized weight of the fast route (bf16, 2 bytes a weight) between calls; the
@@ -61,18 +62,31 @@ class Linear(nn.Module):
             self._deq = w
         return w
 
+    def invariant_weight(self):
+        """The weight laid out once for the invariant order (fp64, 8 bytes a weight, kept instead of the
+        fp32 dequantised copy)."""
+        if self._inv is None:
+            self._inv = kernels.invariant.PreparedWeight.of(
+                self.weight.float() if self.scale is None else self.dequantized())
+            self._deq = None
+        return self._inv
+
     def clear_cache(self):
-        self._deq = None
+        self._deq = self._inv = None
 
     def forward(self, x: torch.Tensor, par: Optional[ParallelContext] = None) -> torch.Tensor:
         """par: a row-parallel layer's context, used by the invariant order only (see RowParallelLinear)."""
         invariant = kernels.is_invariant(self.opts)
+        if invariant and (self.golden or self.scale is None):
+            return kernels.invariant.linear(x.float() if self.golden else x, None,
+                                            prepared=self.invariant_weight())
         if self.golden:
             w = self.weight.float() if self.scale is None else self.dequantized()
-            return kernels.invariant.linear(x.float(), w) if invariant else F.linear(x.float(), w)
+            return F.linear(x.float(), w)
         if self.scale is None:
-            return kernels.invariant.linear(x, self.weight) if invariant else F.linear(x, self.weight)
-        return kernels.quant_gemm(self.opts, x, self.weight, self.scale, self.kind, self.dequantized, par)
+            return F.linear(x, self.weight)
+        return kernels.quant_gemm(self.opts, x, self.weight, self.scale, self.kind, self.dequantized, par,
+                                  self.invariant_weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -132,6 +146,10 @@ class ParallelHead(nn.Module):
         self.ctx = ctx
         self.weight = _param((vocab_size // ctx.world_size, dim), torch.float32)
         self.opts = RuntimeOptions()   # set by the Transformer
+        self._inv = None               # the invariant order's layout of the weight
+
+    def clear_cache(self):
+        self._inv = None
 
     def forward(self, x: torch.Tensor, all_positions: bool = False,
                 per_position: bool = False) -> torch.Tensor:
@@ -141,7 +159,9 @@ class ParallelHead(nn.Module):
         if not all_positions:
             x = x[:, -1]
         if kernels.is_invariant(self.opts):
-            logits = kernels.invariant.linear(x.float(), self.weight)    # rows independent by construction
+            if self._inv is None:
+                self._inv = kernels.invariant.PreparedWeight.of(self.weight)
+            logits = kernels.invariant.linear(x.float(), None, prepared=self._inv)   # rows independent
         elif per_position and all_positions:
             logits = torch.stack([F.linear(x[:, i].float(), self.weight) for i in range(x.shape[1])], dim=1)
         else:

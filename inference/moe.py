@@ -23,11 +23,17 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_experts, dtype=torch.float32), requires_grad=False)
         self.bias_vl = (nn.Parameter(torch.empty(n_experts, dtype=torch.float32), requires_grad=False)
                         if with_bias_vl else None)
+        self._inv = None   # the invariant order's layout of the weight
+
+    def clear_cache(self):
+        self._inv = None
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [N, D] bf16 -> (weights [N, k] fp32, expert indices [N, k])."""
         inv = kernels.invariant if kernels.is_invariant(self.ctx.opts) else None
-        logits = (inv.linear(x.float(), self.weight.float()) if inv
+        if inv and self._inv is None:
+            self._inv = inv.PreparedWeight.of(self.weight.float())
+        logits = (inv.linear(x.float(), None, prepared=self._inv) if inv
                   else F.linear(x.float(), self.weight.float()))
         if self.gate_temp != 1.0:
             logits = logits / self.gate_temp

@@ -92,7 +92,7 @@ def test_block_partials_are_exact():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(4, 64, generator=g).clamp(-448, 448).to(torch.float8_e4m3fn).float()
     w = torch.randn(6, 64, generator=g).mul(30).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    got = inv.block_partials(q, w)                                  # [4, 6, 2]
+    got = inv.block_partials(q, inv.PreparedWeight.of(w).wt)       # [4, 6, 2]
     # E4M3 values are multiples of 2^-9: scaled to integers the block sums are exact in int64.
     qi, wi = (q * 512).long(), (w * 512).long()
     want = torch.stack([(qi[:, None, b * 32:(b + 1) * 32] * wi[None, :, b * 32:(b + 1) * 32]).sum(-1)

@@ -34,7 +34,7 @@ VERIFY_MODES = ("chunked", "sequential")
 # ---------------------------------------------------------------------------------------------------------
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The distribution `sample` draws from (docs/numerics.md §11): softmax(logits / max(T, 1e-5)) in fp32."""
+    """The distribution `sample` draws from (docs/numerics.md §11): softmax(logits / max(T, 1e-5)), fp32."""
     return torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
 
 

@@ -20,7 +20,7 @@ MoE loops over its active experts (each GEMM a kernel); on the fast route it gat
 """
 import functools
 import importlib.util
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -153,14 +153,17 @@ def fp4_qdq_e4m3_(opts: RuntimeOptions, x: torch.Tensor, block: int = 16) -> tor
 # ---- GEMM ----
 
 def quant_gemm(opts: RuntimeOptions, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kind: str,
-               dequantized: Callable[[torch.dtype], torch.Tensor], par=None) -> torch.Tensor:
+               dequantized: Callable[[torch.dtype], torch.Tensor], par=None,
+               prepared: Optional[Callable[[], "invariant.PreparedWeight"]] = None) -> torch.Tensor:
     """y = x W^T for an FP8 / FP4 weight at the reference rounding points: x [..., K] -> [..., N] bf16.
     `dequantized(dtype)` gives the weight's exact value in that dtype (the caller caches it). `par`: only on
     the invariant route, for a row-parallel weight whose K is split over the ranks (the sum over K then
-    continues across them, and the caller does not all-reduce)."""
+    continues across them, and the caller does not all-reduce); `prepared`: the weight as the invariant route
+    lays it out, kept by the caller."""
     path = route(opts, x)
     if path == "invariant":
-        return invariant.quant_gemm(x, dequantized(torch.float32), reference.act_quant, par=par)
+        pw = prepared() if prepared is not None else invariant.PreparedWeight.of(dequantized(torch.float32))
+        return invariant.quant_gemm(x, pw, reference.act_quant, par=par)
     if path == "tilelang":
         ops = _tilelang()
         x2 = x.reshape(-1, x.shape[-1]).contiguous()                # [M, K]

@@ -22,6 +22,7 @@ row-parallel GEMM, the indexer's heads; W divides 8 and n, so it divides gcd(n, 
 chunks and an aligned subtree of the top tree, so W ranks reproduce the W = 1 bits (`tree_sum_split`).
 """
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -174,21 +175,39 @@ def _significant_bits(t: torch.Tensor) -> int:
     return 24 if t.dtype != torch.float64 else 53
 
 
-def _block_range(t: torch.Tensor):
-    """Per 32-block of the last dim: (max |t|, smallest nonzero |t|), [..., K/32] fp64 (1 if all zero)."""
-    a = t.double().abs().unflatten(-1, (-1, LINEAR_BLOCK))
-    big = a.amax(-1)
-    small = a.masked_fill(a == 0, float("inf")).amin(-1)
-    return big, torch.where(torch.isinf(small), torch.ones_like(small), small)
-
-
 LINEAR_BLOCK = 32
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _block_range(a: torch.Tensor):
+    """a [..., nb, 32] fp64 -> per block (max |a|, smallest nonzero |a|; 1 if all zero), [..., nb]."""
+    a = a.abs()
+    small = a.masked_fill(a == 0, float("inf")).amin(-1)
+    return a.amax(-1), torch.where(torch.isinf(small), torch.ones_like(small), small)
+
+
+@dataclass
+class PreparedWeight:
+    """A weight [N, K] laid out for `linear` once (the owner keeps it between calls): fp64 [K/32, 32, N]
+    (K zero-padded), its per-block magnitude range over all columns, and its significant bits."""
+    wt: torch.Tensor
+    big: torch.Tensor
+    small: torch.Tensor
+    bits: int
+
+    @staticmethod
+    def of(w: torch.Tensor) -> "PreparedWeight":
+        n, k = w.shape
+        wd = F.pad(w.double(), (0, -k % LINEAR_BLOCK)).view(n, -1, LINEAR_BLOCK)      # [N, nb, 32]
+        big, small = _block_range(wd)                                             # [N, nb]
+        return PreparedWeight(wd.permute(1, 2, 0).contiguous(), big.amax(0), small.amin(0),
+                              _significant_bits(w))
+
+
+def linear(x: torch.Tensor, w: Optional[torch.Tensor], out_dtype: Optional[torch.dtype] = None,
+           prepared: Optional[PreparedWeight] = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T for bf16 / fp32 operands, rounded once to fp32 and then to out_dtype (default
     x's dtype). Its definition: the products in fp64 (exact), each 32-block of K summed by a pairwise fp64
-    tree, +0, then tree_sum over the blocks in fp64.
+    tree, +0, then tree_sum over the blocks in fp64. `prepared`: w laid out once by PreparedWeight.of.
 
     How it is computed: a block's pairwise sum is exact, and so equal to what any fp64 GEMM gives, when the
     products' magnitudes span few enough bits that every partial sum fits in 53 (at most 2^(47 - b) between
@@ -196,51 +215,43 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = 
     checked per row from per-block maxima and minima (never across rows, so a row's path does not depend on
     its neighbours): rows that pass take one fp64 bmm per block; the others form the products and the
     trees elementwise. Both give the definition's bits."""
+    pw = prepared if prepared is not None else PreparedWeight.of(w)
+    nb, _, n = pw.wt.shape
     lead, k = x.shape[:-1], x.shape[-1]
-    n = w.shape[0]
-    pad = -k % LINEAR_BLOCK
-    xd = F.pad(x.reshape(-1, k).double(), (0, pad))                   # [M, Kp]
-    wd = F.pad(w.double(), (0, pad))                                  # [N, Kp]
-    nb = xd.shape[1] // LINEAR_BLOCK
-    bits = _significant_bits(x) + _significant_bits(w)
-    xb, xs = _block_range(xd)                                         # [M, nb]
-    wb, ws = _block_range(wd)                                         # [N, nb] -> over all columns:
-    wb, ws = wb.amax(0), ws.amin(0)
-    fast = ((xb * wb) <= (xs * ws) * 2.0 ** (47 - bits)).all(-1)     # [M] rows whose block sums are exact
+    xd = F.pad(x.reshape(-1, k).double(), (0, nb * LINEAR_BLOCK - k)).view(-1, nb, LINEAR_BLOCK)
+    xb, xs = _block_range(xd)                                                     # [M, nb]
+    bits = _significant_bits(x) + pw.bits
+    fast = ((xb * pw.big) <= (xs * pw.small) * 2.0 ** (47 - bits)).all(-1)       # [M] exact block sums
     out = torch.empty(xd.shape[0], n, dtype=torch.float32, device=x.device)
     rows_fast = fast.nonzero().flatten()
     if rows_fast.numel():
-        a = xd[rows_fast].view(-1, nb, LINEAR_BLOCK).transpose(0, 1)   # [nb, m, 32]
-        wt = wd.view(n, nb, LINEAR_BLOCK).permute(1, 2, 0)             # [nb, 32, N]
+        a = xd[rows_fast].transpose(0, 1)                                         # [nb, m, 32]
         step = _budget_rows(n * nb * 8)
         for r0 in range(0, a.shape[1], step):
-            parts = torch.bmm(a[:, r0:r0 + step], wt).permute(1, 2, 0) + 0.0   # [r, N, nb] exact
+            parts = torch.bmm(a[:, r0:r0 + step], pw.wt).permute(1, 2, 0) + 0.0  # [r, N, nb] exact
             out[rows_fast[r0:r0 + step]] = tree_sum(parts).float()
     rows_slow = (~fast).nonzero().flatten()
     if rows_slow.numel():
-        cols = _budget_rows(xd.shape[1] * 8)
+        cols = _budget_rows(nb * LINEAR_BLOCK * 8)
         for c0 in range(0, n, cols):
-            wc = wd[c0:c0 + cols]
-            step = _budget_rows(wc.shape[0] * xd.shape[1] * 8)
+            wc = pw.wt[:, :, c0:c0 + cols]                                        # [nb, 32, c]
+            step = _budget_rows(wc.shape[-1] * nb * LINEAR_BLOCK * 8)
             for r0 in range(0, rows_slow.numel(), step):
                 rows = rows_slow[r0:r0 + step]
-                prod = (xd[rows, None, :] * wc[None]).unflatten(-1, (nb, LINEAR_BLOCK))   # [r, c, nb, 32]
-                parts = _pairwise(prod) + 0.0                                             # [r, c, nb]
-                out[rows.unsqueeze(1), torch.arange(c0, c0 + wc.shape[0], device=x.device)] = \
-                    tree_sum(parts).float()
+                prod = xd[rows].unsqueeze(-1) * wc                                # [r, nb, 32, c] exact
+                parts = _pairwise(prod.movedim(2, -1)) + 0.0                      # [r, nb, c]
+                out[rows.unsqueeze(1), torch.arange(c0, c0 + wc.shape[-1], device=x.device)] = \
+                    tree_sum(parts, dim=1).float()
     return out.to(out_dtype or x.dtype).view(*lead, n)
 
 
-def block_partials(a: torch.Tensor, w_deq: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Per-block partial sums of an FP8/FP4 GEMM: a [M, K] (dequantised FP8 activations) and w_deq [N, K]
-    -> [M, N, K/block] fp32. Each partial is exact in fp64 (see the module docstring), so the BLAS order
-    does not matter; it is then rounded once to fp32."""
-    m, k = a.shape
-    n = w_deq.shape[0]
-    nb = k // block
-    ab = a.double().view(m, nb, block).transpose(0, 1)             # [nb, M, b]
-    wb = w_deq.double().view(n, nb, block).permute(1, 2, 0)        # [nb, b, N]
-    return torch.bmm(ab, wb).permute(1, 2, 0).float()              # [M, N, nb]
+def block_partials(a: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """Per-block partial sums of an FP8/FP4 GEMM: a [M, K] (dequantised FP8 activations) and the weight laid
+    out as PreparedWeight.wt [K/32, 32, N] -> [M, N, K/32] fp32. Each partial is exact in fp64 (see the
+    module docstring), so the BLAS order does not matter; it is then rounded once to fp32."""
+    nb, block, _ = wt.shape
+    ab = a.double().view(a.shape[0], nb, block).transpose(0, 1)    # [nb, M, b]
+    return torch.bmm(ab, wt).permute(1, 2, 0).float()              # [M, N, nb]
 
 
 def dot(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -249,18 +260,20 @@ def dot(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return tree_sum(a.double() * b.double(), dim)
 
 
-def quant_gemm(x: torch.Tensor, w_deq: torch.Tensor, act_quant, block: int = 32, par=None) -> torch.Tensor:
+def quant_gemm(x: torch.Tensor, prepared: PreparedWeight, act_quant, par=None) -> torch.Tensor:
     """The FP8/FP4 GEMM at the reference's rounding points (act_quant of x per 32, bf16 output) with exact
-    per-block partials and a tree over the blocks. x [..., K] -> [..., N] bf16. `par` given: the K dimension
-    is split over its ranks (a row-parallel layer) and the tree continues across them."""
+    per-block partials and a tree over the blocks. x [..., K] -> [..., N] bf16; `prepared`: the dequantised
+    weight laid out once (PreparedWeight.of). `par` given: the K dimension is split over its ranks (a
+    row-parallel layer) and the tree continues across them."""
+    block = LINEAR_BLOCK
     q, s = act_quant(x, block)
     lead, k = x.shape[:-1], x.shape[-1]
     a = (q.float().unflatten(-1, (k // block, block)) * s.unsqueeze(-1)).reshape(-1, k)   # [M, K] exact
-    n = w_deq.shape[0]
+    n = prepared.wt.shape[-1]
     out = torch.empty(a.shape[0], n, dtype=torch.float32, device=x.device)
     rows = _budget_rows(n * (k // block) * 12)
     for r0 in range(0, a.shape[0], rows):
-        parts = block_partials(a[r0:r0 + rows], w_deq, block)          # [r, N, K/b] fp32
+        parts = block_partials(a[r0:r0 + rows], prepared.wt)           # [r, N, K/b] fp32
         out[r0:r0 + rows] = tree_sum(parts) if par is None else tree_sum_split(parts, par)
     return out.to(torch.bfloat16).view(*lead, n)
 
@@ -350,10 +363,11 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, par=None)
     return out
 
 
-def hc_mixes_linear(u: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def hc_mixes_linear(u: torch.Tensor, fn: torch.Tensor, norm_eps: float,
+                    prepared: Optional[PreparedWeight] = None) -> torch.Tensor:
     """The mixes of a hyper-connection site: u [..., hc*D] fp32 -> linear(u, fn) * rsqrt(mean(u^2) + eps)."""
     r = rsqrt(tree_mean(u * u, -1, keepdim=True) + norm_eps)
-    return linear(u, fn, torch.float32) * r
+    return linear(u, fn, torch.float32, prepared) * r
 
 
 # pi / 2 in three parts, the first two with few enough bits that k * part is exact for |k| < 2^20
