@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from . import kernels
 from .config import RuntimeOptions
-from .kernels.reference import hc_split_sinkhorn  # noqa: F401  (the reference semantics, for tests and tools)
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,

@@ -5,13 +5,12 @@ Every comparison here is bit for bit: the order of every reduction is fixed by c
 import hashlib
 import json
 import os
-import shutil
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import FIXTURE, FIXTURES, ROOT, fixture_file, fixture_model, free_port
+from conftest import FIXTURE, FIXTURES, fixture_file, fixture_model, free_port
 from inference.config import RuntimeOptions
 from inference.engine.scoring import score
 

@@ -20,7 +20,7 @@ LAYERS = [
     ("kernels", ["inference.kernels", "inference.quant"]),
     ("layers", ["inference.layers", "inference.rope", "inference.hyper", "inference.sampling",
                 "inference.state", "inference.kv_cache"]),
-    ("modules", ["inference.attention", "inference.compressor", "inference.indexer", "inference.sparse_attn",
+    ("modules", ["inference.attention", "inference.compressor", "inference.indexer",
                  "inference.moe", "inference.engram", "inference.vision", "inference.block",
                  "inference.dspark"]),
     ("model", ["inference.model"]),

@@ -5,14 +5,13 @@ import pytest
 import torch
 
 from inference.attention import window_decode_idx, window_prefill_idx
-from inference.hyper import hc_split_sinkhorn
 from inference.indexer import select_candidate_blocks
 from inference.kernels.reference import (act_quant, block_scaled_gemm, fp4_qdq_e4m3_, fp4_qdq_e8m0_,
                                         fp8_qdq_)
 from inference.quant import (ceil_pow2, dequant_fp4_weight, e2m1_round, float_to_ue8m0, ue8m0_to_float,
                              unpack_fp4)
 from inference.rope import apply_rotary_, precompute_freqs_cis
-from inference.sparse_attn import sparse_attn
+from inference.kernels.reference import hc_split_sinkhorn, sparse_attn
 
 
 def bf16(values):
