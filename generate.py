@@ -134,14 +134,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--interactive", action="store_true", help="chat REPL: /clear starts over; /exit quits")
     add("--max-new-tokens", type=int, default=200, help="completion budget per prompt (default 200)")
     add("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default 1.0)")
-    add("--thinking-mode", choices=["chat", "thinking"], default="chat",
-        help="chat encoding mode (default chat); a JSON case's own thinking_mode wins")
+    add("--thinking-mode", choices=["chat", "thinking"], default="chat", help="a JSON case's own mode wins")
     add("--reasoning-effort", type=lambda v: int(v) if v.lstrip("-").isdigit() else v, default=None,
         help="thinking effort: 1..100 or low / high / max (default high = 75); a JSON case's own wins")
-    add("--max-batch-size", type=int, default=None,
-        help="prompts per forward pass (default: the config's, else 4; interactive 1)")
-    add("--max-seq-len", type=int, default=None,
-        help="longest prompt + completion (default: the config's, else 4096; interactive 65536)")
+    add("--max-batch-size", type=int, default=None, help="rows per forward (config, 4; chat 1)")
+    add("--max-seq-len", type=int, default=None, help="prompt + answer (config, 4096; chat 65536)")
     add("--seed", type=int, default=DEFAULT_SEED, help=f"RNG seed, every rank (default {DEFAULT_SEED})")
     add("--numerics", default="reference", help="words joined by commas (README, Numerics): reference | "
         "golden (fp32, no fake quantization); fixed (= --fix-index-k); exact | fast | invariant (summation "
@@ -153,8 +150,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="break exact top-k ties by lowest index (reproducible across platforms)")
     add("--engram-on", choices=["device", "host", "disk"], default="device", help="Engram tables in GPU "
         "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
-    add("--language-model-only", action="store_true",
-        help="do not build the vision tower (saves memory; prompts with images are an error)")
+    add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): the blocks' weights stay in "
+        "the shard file and stream in one block at a time; Engram tables mapped (README, Scoring on one CPU)")
+    add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if available)")
     add("--threads", type=int, default=None,
@@ -162,9 +160,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--output", default=None, help="also write one JSON record per prompt (interactive: per reply) to "
         "this .jsonl file (rank 0): prompt, completion, content, reasoning_content, tool_calls, "
         "prompt_tokens, completion_tokens (EOS included), finish_reason (eos | length), parse_error")
-    add("--score", default=None, help='scoring mode: S.json = {"sequences": [[ids...] | {"messages": [...], '
-        '"tools"?, "thinking_mode"?, "reasoning_effort"?, "completion"?: "text"}, ...], "prefill_len": P}; '
-        "image blocks must end within P; teacher-forced along the generate loop; needs --dump-logits")
+    add("--score", default=None, help='scoring mode (docs/cli.md 2.6): S.json = {"sequences": [[ids...] | '
+        '{"messages": [...], "completion"?: "text", ...}, ...], "prefill_len"?: P, "images"?: [[paths] | null'
+        ', ...]}; image spans end within P; teacher-forced along the generate loop; needs --dump-logits')
     add("--dump-logits", default=None, help="scoring mode output (safetensors, rank 0): logits [L-P+1, B, V] "
         "fp32 (NaN past a sequence's end), input_ids [B, L] (-1 = padding)")
     add("--all-prefill-logits", action="store_true",
@@ -308,10 +306,10 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
 
     log.info(margs)
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
-                                       fix_index_k_publish=o.fix_index_k,
-                                       kernel_backend=o.kernel_backend, engram_on=o.engram_on)
+                                       fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
+                                       engram_on="disk" if o.offload == "disk" else o.engram_on)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
-                                   log.info)
+                                   log.info, offload=o.offload)
     start = time.perf_counter()
     if o.score:
         score_mode(sess, *work)
@@ -322,6 +320,8 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     if sess.runner.records is not None:
         sess.runner.records.close()
     log.info(f"{sess.runner.stats.summary()}; total {time.perf_counter() - start:.2f} s")
+    if sess.runner.model.weight_stream is not None:
+        log.info(sess.runner.model.weight_stream.close())       # the streaming figures
     if spec is not None:
         log.info(sess.runner.spec_stats.summary(spec.verify, spec.k or margs.dspark_block_size))
 

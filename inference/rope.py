@@ -31,6 +31,8 @@ def precompute_freqs_cis(rope_dim: int, max_seq_len: int, base: float, original_
         # This exact form (not ramp itself) is what the reference computes; it can differ by an ulp.
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
     if invariant:
+        if torch.device(device).type == "meta":       # a memory plan: the shape is all it needs
+            return torch.empty(max_seq_len, freqs.shape[0], 2, device="meta")
         from .kernels.invariant import rope_table
         return rope_table(freqs, max_seq_len).to(device)
     t = torch.arange(max_seq_len, dtype=torch.float32, device=device)

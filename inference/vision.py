@@ -236,6 +236,49 @@ def expand_image_tokens(ids: Sequence[int], grids: Sequence[Tuple[int, int]], ar
     return out_ids, types, starts
 
 
+def image_runs(ids: Sequence[int], token_id: int) -> List[Tuple[int, int]]:
+    """[start, end) of every maximal run of `token_id` in ids."""
+    runs, start = [], None
+    for i, t in enumerate(list(ids) + [None]):
+        if t == token_id and start is None:
+            start = i
+        elif t != token_id and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def place_expanded_images(ids: Sequence[int], images: Sequence[ImageInput], args: ModelArgs,
+                          names: Sequence[str]) -> List[int]:
+    """Ids already expanded (another engine's exact tokens) and their images, in order -> token types; sets
+    each image's `.start`. Image i takes the next n_llm_h * (n_llm_w + 1) + 2 positions of the current run of
+    image_token_id (two images with no text between them share one run); every run must be used up exactly.
+    names: how an error names image i (e.g. its path)."""
+    runs = image_runs(ids, args.image_token_id)
+    types = [TEXT] * len(ids)
+    k = 0
+    for s, e in runs:
+        pos = s
+        while pos < e:
+            if k == len(images):
+                raise ImageCountError(f"image span [{pos}, {e}) (image token id {args.image_token_id}) has "
+                                      f"no image: {len(images)} image(s) given for {len(runs)} span(s) (list "
+                                      f"them in 'images')")
+            im = images[k]
+            if pos + im.n_tokens > e:
+                raise VisionError(f"image span [{s}, {e}) holds {e - pos} position(s) from {pos} for image "
+                                  f"{k} ({names[k]}), whose {im.n_llm_h}x{im.n_llm_w} grid takes "
+                                  f"{im.n_tokens} (n_llm_h * (n_llm_w + 1) + 2)")
+            im.start = pos
+            types[pos:pos + im.n_tokens] = image_token_types(im.n_llm_h, im.n_llm_w)
+            pos += im.n_tokens
+            k += 1
+    if k < len(images):
+        raise ImageCountError(f"{len(images)} image(s) given but the image spans (runs of image token id "
+                              f"{args.image_token_id}) hold only {k}: image {k} ({names[k]}) has no span")
+    return types
+
+
 def prepare_vl_inputs(ids: Sequence[int], records: Sequence, args: ModelArgs):
     """Load and preprocess the images, expand the placeholders -> (ids, token types, [ImageInput])."""
     check_image_count(sum(1 for t in ids if t == args.image_token_id), len(records), args)  # before decoding

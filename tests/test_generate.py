@@ -288,7 +288,8 @@ def test_prompt_longer_than_max_seq_len_stops_every_rank(tiny):
     assert "build model" not in proc.stdout     # caught before the model is built
 
 
-@pytest.mark.parametrize("case", ["no-mode", "effort", "tokenizer", "image", "input", "score-file"])
+@pytest.mark.parametrize("case", ["no-mode", "effort", "tokenizer", "image", "input", "score-file",
+                                  "dump-folder"])
 def test_setup_errors(tiny, case):
     root = tiny["root"]
     args = base_args(tiny) + ["--input-file", os.path.join(ROOT, "demo", "prompts.txt")]
@@ -308,6 +309,11 @@ def test_setup_errors(tiny, case):
         args[-1], message = str(root / "image.txt"), "1 image(s) given, but this model has no vision tower"
     elif case == "input":
         args[-1], message = str(root / "missing.txt"), f"input file not found: {root / 'missing.txt'}"
+    elif case == "dump-folder":    # checked before the model is built, not after the scoring
+        (root / "ok_score.json").write_text('{"sequences": [[1, 2, 3]]}')
+        args = base_args(tiny) + ["--score", str(root / "ok_score.json"),
+                                  "--dump-logits", str(root / "no_such_folder" / "x.safetensors")]
+        message = f"output folder does not exist: {root / 'no_such_folder'}"
     else:
         (root / "bad_score.json").write_text('{"sequences": [[1, 2, 3]], "prefill_len": 5}')
         args = base_args(tiny) + ["--score", str(root / "bad_score.json"),
@@ -316,6 +322,7 @@ def test_setup_errors(tiny, case):
     proc = run_cli(args)
     assert_clean_error(proc, message)
     assert "Traceback" not in proc.stderr
+    assert "build model" not in proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 docs/architecture.md §10): batch (JSON image blocks, text files with <image>path</image>), interactive,
 --score with messages, at MP 1 and MP 2, and the one-line errors (unreadable image, placeholder/image
 count, image outside the prefill chunk, --language-model-only, a model without a vision tower)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -175,6 +176,66 @@ def test_score_messages_with_images_mp1_vs_mp2(scored, demo):
     for out in (a, b):
         moved = (out["logits"][:, 0] - out["logits"][:, 1]).abs()
         assert moved.mean() > 10 * d.mean(), (moved.mean(), d.mean())
+
+
+def test_score_raw_ids_with_image_paths_equals_messages(scored, demo):
+    """The ids another engine would send (image spans expanded) plus the image paths give the logits of the
+    same prompt given as chat messages, bit for bit (same batch, same order, same thread count)."""
+    outs, prompt_ids = scored
+    root = demo["root"]
+    ids = outs[1]["input_ids"].tolist()
+    spec = root / "score_raw.json"
+    spec.write_text(json.dumps({"sequences": ids, "prefill_len": len(prompt_ids), "images": [
+        [IMAGES["gradient"], IMAGES["stripes"]], [str(root / "permuted.png"), IMAGES["stripes"]]]}))
+    out = root / "score_raw.safetensors"
+    proc = run_cli(cli_args(demo) + ["--score", str(spec), "--dump-logits", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    raw = load_file(str(out))
+    assert torch.equal(raw["input_ids"], outs[1]["input_ids"])
+    assert torch.equal(raw["logits"], outs[1]["logits"])
+    # Without the images the same ids are refused (they used to be scored as text, silently).
+    spec.write_text(json.dumps({"sequences": ids, "prefill_len": len(prompt_ids)}))
+    proc = run_cli(cli_args(demo) + ["--score", str(spec), "--dump-logits", str(out) + ".x"])
+    assert_clean_error(proc, "(image token id 129264) has no image: 0 image(s) given for 2 span(s)")
+    assert not os.path.exists(str(out) + ".x")
+
+
+def test_score_raw_ids_errors_name_the_span(demo, tmp_path):
+    tok, margs = demo["tok"], demo["margs"]
+    ids, _, images = prompts.tokenize_prompt(
+        tok, margs, *encode_case({"messages": two_image_messages()}, "chat"), "test")
+    (a, n_a), (b, n_b) = [(im.start, im.n_tokens) for im in images]
+    spec = tmp_path / "s.json"
+    both = [IMAGES["gradient"], IMAGES["stripes"]]
+
+    def read(data):
+        spec.write_text(json.dumps(data))
+        return prompts.read_score_file(str(spec), margs.vocab_size, tok, margs)
+
+    seqs, p, types, got = read({"sequences": [ids], "images": [both]})
+    _, want_types, _ = prompts.tokenize_prompt(
+        tok, margs, *encode_case({"messages": two_image_messages()}, "chat"), "test")
+    assert types == [want_types] and [(im.start, im.n_tokens) for im in got[0]] == [(a, n_a), (b, n_b)]
+    cases = [
+        ({"sequences": [ids], "image": [both]}, r"unknown key\(s\) image \(expected"),
+        ({"sequences": [ids], "images": both}, r"'images' must be a list of 1 entries \(one per sequence\)"),
+        ({"sequences": [ids], "images": [both[::-1]]},
+         rf"sequence 0: image span \[{a}, {a + n_a}\) holds {n_a} position\(s\) from {a} for image 0 "
+         rf"\(.*stripes.png\), whose .* grid takes {n_b}"),
+        ({"sequences": [ids], "images": [both + both[:1]]},
+         r"3 image\(s\) given but the image spans .* hold only 2: image 2 \(.*gradient.png\) has no span"),
+        ({"sequences": [ids[:a + 5] + ids[a + 6:]], "images": [both]},
+         rf"image span \[{a}, {a + n_a - 1}\) holds {n_a - 1} position\(s\)"),
+        ({"sequences": [{"messages": two_image_messages()}], "images": [both]},
+         "a messages case brings its images in its messages"),
+    ]
+    for data, message in cases:
+        with pytest.raises(InputError, match=message):
+            read(data)
+    # A text-only model reads image_token_id in raw ids as an ordinary token.
+    text_only = dataclasses.replace(margs, vision_n_layers=0)
+    spec.write_text(json.dumps({"sequences": [ids]}))
+    assert prompts.read_score_file(str(spec), margs.vocab_size, tok, text_only)[2:] == (None, None)
 
 
 def test_score_file_formats_in_process(demo, tmp_path):

@@ -62,9 +62,10 @@ def check_writable(path: str) -> None:
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_size: int = 1,
-                    progress: bool = False) -> None:
+                    progress: bool = False, streamed=frozenset()) -> None:
     """Copy every tensor of this rank's file into the model's pre-allocated parameters, one at a time.
-    `progress`: a bar over the shard's bytes (rate, ETA) on stderr."""
+    `progress`: a bar over the shard's bytes (rate, ETA) on stderr. `streamed`: names left in the file for
+    the block streamer (offload.py), which has checked them."""
     check_shards(ckpt_dir, world_size)
     path = shard_path(ckpt_dir, rank, world_size)
     params = dict(model.named_parameters())
@@ -85,7 +86,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
         raise CheckpointError(f"{path} does not match the model: {'; '.join(parts)}")
-    names = sorted(keys - {k for k in keys if _ALIAS.match(k)})
+    names = sorted(keys - {k for k in keys if _ALIAS.match(k)} - set(streamed))
     mapped = [n for n in names if params[n].is_meta]         # Engram tables left on disk: mapped, not read
     if mapped:
         attach_mapped(model, path, {n: infos[n] for n in mapped})
@@ -169,14 +170,32 @@ def check_memory(args, par, opts, device: str, language_model_only: bool = False
 
 
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,
-               language_model_only: bool = False, log=print, gpu_mem: Optional[int] = None):
+               language_model_only: bool = False, log=print, gpu_mem: Optional[int] = None,
+               offload: str = "none"):
     """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`, after checking
-    that it fits (on CUDA, or within a `gpu_mem` byte budget)."""
-    check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
+    that it fits (on CUDA, or within a `gpu_mem` byte budget). offload="disk": the blocks' weights stay in the
+    file and stream in per block (offload.py); the streamer is `model.weight_stream` (else None)."""
+    if offload not in ("none", "disk"):
+        raise InputError(f"unknown offload {offload!r} (none or disk)")
+    if offload == "none":
+        check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
     log("build model")
     model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only)
+    stream = None
+    if offload == "disk":
+        from .offload import BlockStreamer, streamed_names
+        check_shards(ckpt_dir, par.world_size)
+        path = shard_path(ckpt_dir, par.rank, par.world_size)
+        try:
+            infos, _ = read_header(path)
+        except Exception as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+        names = streamed_names(model)
+        stream = BlockStreamer(model, path, infos, progress=par.rank == 0)
     log("load model")
-    load_checkpoint(model, ckpt_dir, par.rank, par.world_size, progress=par.rank == 0)
+    load_checkpoint(model, ckpt_dir, par.rank, par.world_size, progress=par.rank == 0,
+                    streamed=set(names) if stream else frozenset())
+    model.weight_stream = stream
     model.eval()
     log("model ready")
     return model

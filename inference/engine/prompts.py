@@ -13,7 +13,7 @@ from encoding.encoding import EOS as EOS_TEXT, THINK_END
 from encoding.tokenizer import image_token_spelling
 
 from ..config import ModelArgs
-from ..vision import VisionError, prepare_vl_inputs
+from ..vision import VisionError, load_image, place_expanded_images, prepare_vl_inputs, preprocess_image
 from .errors import InputError
 
 
@@ -35,16 +35,20 @@ def check_prompt_lengths(lengths: List[int], max_seq_len: int) -> None:
                              f"(max_seq_len={max_seq_len}): prompt {i + 1} has {n} tokens")
 
 
+def check_vision(margs: ModelArgs, n_images: int, where: str, vision: bool) -> None:
+    if n_images and margs.vision_n_layers <= 0:
+        raise InputError(f"{where}: {n_images} image(s) given, but this model has no vision tower "
+                         f"(vision_n_layers = 0)")
+    if n_images and not vision:
+        raise InputError(f"{where}: {n_images} image(s) given, but --language-model-only skips the "
+                         f"vision tower (drop the flag to use images)")
+
+
 def tokenize_prompt(tokenizer, margs: ModelArgs, text: str, records: list, where: str, vision: bool = True):
     """Prompt text and image records -> (ids, token types or None, [ImageInput] or None).
 
     vision=False: the vision tower is not built (--language-model-only), so images are an error."""
-    if records and margs.vision_n_layers <= 0:
-        raise InputError(f"{where}: {len(records)} image(s) given, but this model has no vision tower "
-                         f"(vision_n_layers = 0)")
-    if records and not vision:
-        raise InputError(f"{where}: {len(records)} image(s) given, but --language-model-only skips the "
-                         f"vision tower (drop the flag to use images)")
+    check_vision(margs, len(records), where, vision)
     if records:
         # The encoder writes <｜deepseek_image｜>; the tokenizer may spell id image_token_id differently.
         text = text.replace(IMAGE_PLACEHOLDER, image_token_spelling(tokenizer, IMAGE_PLACEHOLDER,
@@ -142,7 +146,9 @@ def vision_inputs(prompts: List[Prompt]) -> Tuple[Optional[list], Optional[list]
 
 
 SCORE_FORMAT = ('{"sequences": [[ids...] | {"messages": [...], "tools"?, "thinking_mode"?, '
-                '"reasoning_effort"?, "completion"?}, ...], "prefill_len": P}')
+                '"reasoning_effort"?, "completion"?}, ...], "prefill_len"?: P, '
+                '"images"?: [[paths...] | null, ...]}')
+SCORE_KEYS = {"sequences", "prefill_len", "images"}
 
 
 def _score_case(item: Dict[str, Any], where: str, tokenizer, margs: ModelArgs, thinking_mode: str, effort,
@@ -175,13 +181,28 @@ def _score_case(item: Dict[str, Any], where: str, tokenizer, margs: ModelArgs, t
     return ids + tail, (types + [-1] * len(tail) if types is not None else None), images
 
 
+def _raw_images(ids: List[int], paths: List[str], margs: Optional[ModelArgs], where: str, vision: bool):
+    """Raw ids (image spans already expanded) and the images of those spans, in order -> (types, images)."""
+    if margs is None:
+        raise InputError(f"{where}: images need the model config")
+    check_vision(margs, len(paths), where, vision)
+    try:
+        images = [preprocess_image(load_image(p, k), margs) for k, p in enumerate(paths)]
+        types = place_expanded_images(ids, images, margs, paths)
+    except VisionError as e:
+        raise InputError(f"{where}: {e}") from None
+    return types, images
+
+
 def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[ModelArgs] = None,
                     thinking_mode: str = "chat", effort=None, vision: bool = True):
     """S.json -> (sequences, prefill_len, token types per row or None, images per row or None).
 
     A sequence is a list of token ids, or a case object with messages (image blocks allowed), encoded like a
-    batch case, plus an optional completion text appended after the prompt. Every image span must end
-    within the prefill chunk [0, prefill_len): images are only merged in the first forward."""
+    batch case, plus an optional completion text appended after the prompt. A list of ids may hold expanded
+    image spans, whose images the optional top-level "images" lists per sequence (docs/cli.md 2.6). Every
+    image span must end within the prefill chunk [0, prefill_len): images are only merged in the first
+    forward."""
     if not os.path.isfile(path):
         raise InputError(f"score file not found: {path}")
     try:
@@ -193,13 +214,26 @@ def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[
     if not isinstance(items, list) or not items or not all(isinstance(s, dict) or isinstance(s, list) and s
                                                            for s in items):
         raise InputError(f"{path}: expected {SCORE_FORMAT} with non-empty sequences")
+    if set(data) - SCORE_KEYS:
+        raise InputError(f"{path}: unknown key(s) {', '.join(sorted(set(data) - SCORE_KEYS))} "
+                         f"(expected {SCORE_FORMAT})")
+    given = data.get("images")
+    if given is not None and (not isinstance(given, list) or len(given) != len(items) or not all(
+            g is None or isinstance(g, list) and all(isinstance(x, str) for x in g) for g in given)):
+        raise InputError(f"{path}: 'images' must be a list of {len(items)} entries (one per sequence), each "
+                         f"a list of image paths or null")
     seqs, types, images = [], [], []
     for i, item in enumerate(items):
+        where = f"{path}: sequence {i}"
+        paths = (given or [None] * len(items))[i]
         if isinstance(item, dict):
             if tokenizer is None or margs is None:
-                raise InputError(f"{path}: sequence {i}: cases with messages need the tokenizer")
-            ids, row_types, row_images = _score_case(item, f"{path}: sequence {i}", tokenizer, margs,
-                                                     thinking_mode, effort, vision)
+                raise InputError(f"{where}: cases with messages need the tokenizer")
+            if paths:
+                raise InputError(f"{where}: a messages case brings its images in its messages; its 'images' "
+                                 f"entry must be null or []")
+            ids, row_types, row_images = _score_case(item, where, tokenizer, margs, thinking_mode, effort,
+                                                     vision)
         else:
             ids, row_types, row_images = item, None, None
         if not ids:
@@ -207,6 +241,9 @@ def read_score_file(path: str, vocab_size: int, tokenizer=None, margs: Optional[
         if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
             raise InputError(f"{path}: sequence {i} holds a value that is not a token id in "
                              f"[0, {vocab_size})")
+        if paths or (not isinstance(item, dict) and margs is not None and margs.vision_n_layers > 0
+                     and margs.image_token_id in ids):     # a text-only model reads that id as text
+            row_types, row_images = _raw_images(ids, paths or [], margs, where, vision)
         seqs.append(ids)
         types.append(row_types)
         images.append(row_images)

@@ -1,0 +1,224 @@
+"""Weights streamed from disk (`--offload disk`): the blocks' weights stay in the converted shard file and are
+read into two reused sets of buffers, one block at a time, while the next block's are read in a background
+thread.
+
+What stays in memory: the embedding, the final norm and head, the vision tower, the DSpark draft head, every
+cache, and each Engram module's small weights (its tables are mapped from the file and only looked-up rows
+are read). Everything under `layers.N.` but the Engram is streamed. So the peak is about two blocks' stored
+bytes, plus one block's dequantized copies (the kernels cache them while the block runs; they are dropped when
+it ends), plus the caches and activations, whatever the checkpoint's size.
+
+The values are bitwise those of the in-memory model: the same bytes land in the parameters before the block
+runs, and every derived copy (dequantized or re-laid-out weights) is rebuilt from them. Each forward call
+reads every block once, so score a long text with one prefill (prefill_len = its length) rather than one
+forward per token.
+"""
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..safetensors_io import TensorInfo, torch_dtypes
+from .errors import InputError
+
+
+@dataclass
+class _Entry:
+    module: nn.Module
+    attr: str
+    name: str               # full parameter name, as in the shard file
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    info: TensorInfo        # where its bytes are in the file
+
+
+@dataclass
+class OffloadStats:
+    blocks_run: int = 0
+    bytes_read: int = 0
+    read_s: float = 0.0     # time the reading thread spent in read calls
+    wait_s: float = 0.0     # time the model stood still waiting for a block's weights
+    block_s: float = 0.0    # time from a block's weights being asked for to the end of its forward
+    per_block: List[float] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.blocks_run:
+            return "offload: no block ran"
+        gbps = self.bytes_read / self.read_s / 1e9 if self.read_s else float("inf")
+        return (f"offload: {self.blocks_run} blocks run, {self.bytes_read / 1e9:.2f} GB read at "
+                f"{gbps:.2f} GB/s, {self.block_s / self.blocks_run:.3f} s per block, waiting on disk "
+                f"{self.wait_s:.2f} s ({100 * self.wait_s / max(self.block_s, 1e-9):.0f}% of block time)")
+
+
+def streamed_names(model: nn.Module) -> List[str]:
+    """The parameters the stream owns: every backbone block's, except its Engram module."""
+    names = []
+    for i, layer in enumerate(model.layers):
+        names += [f"layers.{i}.{n}" for n, _ in layer.named_parameters() if not n.startswith("engram.")]
+    return names
+
+
+def _read_into(fd: int, buf: torch.Tensor, offset: int) -> None:
+    """Fill `buf` (contiguous, CPU) with the file's bytes from `offset`; short reads are continued."""
+    view = memoryview(buf.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise InputError(f"unexpected end of the shard file at byte {offset + done}")
+        done += n
+
+
+class BlockStreamer:
+    """Materialises `model.layers[i]`'s weights just before the block runs (a forward pre-hook) and releases
+    them after (a forward hook); the next block's bytes are read meanwhile in one background thread. Blocks
+    are expected in order 0, 1, ..., n-1 within a forward call; any other order still works (the read is
+    then made while the model waits)."""
+
+    def __init__(self, model: nn.Module, path: str, infos: Dict[str, TensorInfo], progress: bool = False):
+        if torch.device(model.ctx.device).type != "cpu":
+            raise InputError(f"--offload disk runs on the CPU for now (the model is on {model.ctx.device})")
+        self.path, self.n, self.layers = path, len(model.layers), list(model.layers)
+        dtypes = torch_dtypes()
+        self.blocks: List[List[_Entry]] = []
+        for i, layer in enumerate(model.layers):
+            entries = []
+            for name, p in layer.named_parameters():
+                if name.startswith("engram."):
+                    continue
+                full = f"layers.{i}.{name}"
+                info = infos.get(full)
+                if info is None:
+                    raise InputError(f"{path} does not match the model: tensor {full} is missing")
+                stored = dtypes[info.dtype]
+                widened = stored == torch.bfloat16 and p.dtype == torch.float32
+                if stored != p.dtype and not widened or info.nbytes * (2 if widened else 1) != p.nbytes:
+                    raise InputError(f"{path}: tensor {full} is {info.dtype} {list(info.shape)}, expected "
+                                     f"{p.dtype} {list(p.shape)}")
+                owner, attr = full[len(f"layers.{i}."):].rpartition(".")[::2]
+                module = layer.get_submodule(owner) if owner else layer
+                entries.append(_Entry(module, attr, full, tuple(p.shape), p.dtype, info))
+                module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                        requires_grad=False)
+            self.blocks.append(entries)
+        # Two slots of buffers, reused by whichever block lands in them (keyed by shape and dtype, so blocks
+        # of different roles share what they can).
+        self.slots: List[Dict[Tuple, List[torch.Tensor]]] = [{}, {}]
+        self.next_slot = 0
+        self.pending: Optional[Tuple[int, int, object]] = None     # (block, slot, future)
+        self.attached: Optional[int] = None
+        self.started: Optional[float] = None
+        self.stats = OffloadStats()
+        self.fd = os.open(path, os.O_RDONLY)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload")
+        self.lock = threading.Lock()
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            # One running count of blocks for the whole run, shown only once the run takes a while.
+            self.bar = tqdm(unit="block", desc=f"blocks streamed ({self.n} per forward)", file=sys.stderr,
+                            delay=5.0, mininterval=2.0)
+        self.hooks = []
+        for i, layer in enumerate(model.layers):
+            self.hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
+            self.hooks.append(layer.register_forward_hook(lambda m, a, out, i=i: self._after(i)))
+
+    # -- reading (background thread) ---------------------------------------------------------------------
+
+    def _buffers(self, block: int, slot: int) -> List[torch.Tensor]:
+        """The slot's buffers for this block's tensors, allocated the first time a shape is needed."""
+        free = {k: list(v) for k, v in self.slots[slot].items()}
+        out = []
+        for e in self.blocks[block]:
+            key = (e.shape, e.dtype)
+            if free.get(key):
+                out.append(free[key].pop())
+            else:
+                t = torch.empty(e.shape, dtype=e.dtype)
+                self.slots[slot].setdefault(key, []).append(t)
+                out.append(t)
+        return out
+
+    def _read(self, block: int, slot: int) -> List[torch.Tensor]:
+        start = time.perf_counter()
+        bufs = self._buffers(block, slot)
+        nbytes = 0
+        for e, buf in zip(self.blocks[block], bufs):
+            if e.dtype == torch.float32 and e.info.dtype == "BF16":          # stored narrower: widen
+                staging = torch.empty(e.shape, dtype=torch.bfloat16)
+                _read_into(self.fd, staging, e.info.offset)
+                buf.copy_(staging)
+            else:
+                _read_into(self.fd, buf, e.info.offset)
+            nbytes += e.info.nbytes
+        with self.lock:
+            self.stats.read_s += time.perf_counter() - start
+            self.stats.bytes_read += nbytes
+        return bufs
+
+    def _submit(self, block: int):
+        slot = self.next_slot
+        self.next_slot ^= 1
+        self.pending = (block, slot, self.pool.submit(self._read, block, slot))
+
+    # -- the hooks ---------------------------------------------------------------------------------------
+
+    def _before(self, i: int) -> None:
+        self.started = time.perf_counter()
+        if self.attached is not None:            # the last call stopped inside a block (an exception)
+            self._release(self.attached)
+        if self.pending is None or self.pending[0] != i:
+            if self.pending is not None:
+                self.pending[2].result()         # let a read for another block finish: its slot is free
+            self._submit(i)
+        block, slot, future = self.pending
+        t = time.perf_counter()
+        bufs = future.result()
+        self.stats.wait_s += time.perf_counter() - t
+        for e, buf in zip(self.blocks[i], bufs):
+            e.module._parameters[e.attr] = nn.Parameter(buf, requires_grad=False)
+        self._clear_caches(i)
+        self.attached = i
+        self._submit((i + 1) % self.n)           # the other slot: the one this block is not using
+
+    def _after(self, i: int) -> None:
+        self._release(i)
+        took = time.perf_counter() - self.started
+        self.stats.blocks_run += 1
+        self.stats.block_s += took
+        self.stats.per_block.append(took)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _release(self, i: int) -> None:
+        """Back to meta: a use of a released weight fails loudly instead of reading another block's bytes."""
+        self._clear_caches(i)
+        for e in self.blocks[i]:
+            e.module._parameters[e.attr] = nn.Parameter(torch.empty(e.shape, dtype=e.dtype, device="meta"),
+                                                        requires_grad=False)
+        self.attached = None
+
+    def _clear_caches(self, i: int) -> None:
+        """Drop what the kernels derived from the weights (dequantized copies, invariant layouts)."""
+        for name, m in self.layers[i].named_modules():
+            if hasattr(m, "clear_cache") and not name.startswith("engram"):
+                m.clear_cache()
+
+    def close(self) -> str:
+        """Wait for the last read-ahead, stop the thread, remove the hooks; returns the summary line."""
+        if self.pending is not None:
+            self.pending[2].result()
+            self.pending = None
+        self.pool.shutdown()
+        for h in self.hooks:
+            h.remove()
+        if self.bar is not None:
+            self.bar.close()
+        os.close(self.fd)
+        return self.stats.summary()
