@@ -46,6 +46,9 @@ class Linear(nn.Module):
         # Off CPU, keep the dequantized weight of the fast route (bf16, 2 bytes a weight) between calls; the
         # MoE clears this for routed experts, whose decode path dequantizes only the experts a step selects.
         self.cache_off_cpu = True
+        # False for weights streamed from disk that one call uses once (routed experts): nothing derived from
+        # them outlives the call, so a block's dequantized experts never pile up.
+        self.keep_derived = True
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact value of an FP8/FP4 weight in `dtype` (fp32, or bf16: every E4M3 or E2M1 value times its
@@ -80,13 +83,16 @@ class Linear(nn.Module):
         if invariant and (self.golden or self.scale is None):
             return kernels.invariant.linear(x.float() if self.golden else x, None,
                                             prepared=self.invariant_weight())
-        if self.golden:
-            w = self.weight.float() if self.scale is None else self.dequantized()
-            return F.linear(x.float(), w)
         if self.scale is None:
-            return F.linear(x, self.weight)
-        return kernels.quant_gemm(self.opts, x, self.weight, self.scale, self.kind, self.dequantized, par,
-                                  self.invariant_weight)
+            return F.linear(x.float(), self.weight.float()) if self.golden else F.linear(x, self.weight)
+        if self.golden:
+            y = F.linear(x.float(), self.dequantized())
+        else:
+            y = kernels.quant_gemm(self.opts, x, self.weight, self.scale, self.kind, self.dequantized, par,
+                                   self.invariant_weight)
+        if not self.keep_derived:
+            self._deq = self._inv = None
+        return y
 
 
 class ColumnParallelLinear(Linear):

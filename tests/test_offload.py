@@ -55,7 +55,7 @@ def test_streamed_scoring_is_bitwise_the_in_memory_scoring(numerics):
     assert_same(memory, streamed)
     st = model.weight_stream.stats
     n_forwards = len(memory["logits"])
-    assert st.blocks_run == n_forwards * model.args.n_layers
+    assert st.blocks_run == n_forwards * (model.args.n_layers + 1)           # the blocks and the head
     shard = os.path.getsize(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     assert 0 < st.bytes_read < n_forwards * shard + shard        # every block read once per forward
     model.weight_stream.close()
@@ -68,13 +68,15 @@ def test_between_blocks_only_two_buffer_sets_are_held():
     score(model, [s[:p + 2] for s in seqs], p)
     params = dict(model.named_parameters())
     names = streamed_names(model)
-    assert names and all(params[n].is_meta for n in names)              # released after every block
+    assert names[0] == "embed.weight"                                    # mapped, not streamed
+    assert all(params[n].is_meta for n in names[1:])                    # released after every unit
     assert not any(params[n].is_meta for n in params if n not in names and ".engram.embed." not in n)
+    assert not model.embed.weight.is_meta and model.head.weight.is_meta
     block_bytes = [sum(e.info.nbytes * (2 if e.dtype == torch.float32 and e.info.dtype == "BF16" else 1)
                        for e in entries) for entries in stream.blocks]
     held = sum(t.nbytes for slot in stream.slots for ts in slot.values() for t in ts)
-    assert held <= 2 * max(block_bytes), (held, block_bytes)
-    assert held < sum(block_bytes) / 2            # 8 blocks: far less than the whole backbone
+    assert held <= 2 * max(block_bytes), (held, block_bytes)     # block_bytes: the 8 blocks, then the head
+    assert held < sum(block_bytes) / 2                            # far less than the whole
     # No derived copy of a streamed weight survives its block (the dequantized caches are dropped); the
     # resident Engram modules keep theirs.
     assert all(getattr(m, "_deq", None) is None for layer in model.layers
@@ -122,5 +124,5 @@ def test_cli_offload_disk_writes_the_in_memory_file(tmp_path):
                         "--device", "cpu", "--threads", "1", "--score", SCORE, "--dump-logits",
                         str(outs[offload]), "--all-prefill-logits", "--offload", offload])
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "offload: 168 blocks run" in proc.stdout + proc.stderr
+    assert "offload: 189 units run (blocks and head)" in proc.stdout + proc.stderr     # 21 forwards
     assert_same(load_file(str(outs["none"])), load_file(str(outs["disk"])))

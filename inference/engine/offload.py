@@ -1,12 +1,12 @@
-"""Weights streamed from disk (`--offload disk`): the blocks' weights stay in the converted shard file and are
-read into two reused sets of buffers, one block at a time, while the next block's are read in a background
-thread.
+"""Weights streamed from disk (`--offload disk`): the blocks' and the head's weights stay in the converted
+shard file and are read into two reused sets of buffers, one unit (a block, or the head) at a time, while the
+next unit's are read in a background thread; the embedding table is memory-mapped (a lookup reads its rows).
 
-What stays in memory: the embedding, the final norm and head, the vision tower, the DSpark draft head, every
-cache, and each Engram module's small weights (its tables are mapped from the file and only looked-up rows
-are read). Everything under `layers.N.` but the Engram is streamed. So the peak is about two blocks' stored
-bytes, plus one block's dequantized copies (the kernels cache them while the block runs; they are dropped when
-it ends), plus the caches and activations, whatever the checkpoint's size.
+What stays in memory: the final norm, the vision tower, the DSpark draft head, every cache, and each Engram
+module's small weights (its tables are mapped from the file: only looked-up rows are read). So the peak is
+about two blocks' stored bytes, plus the dequantized copies of one block's attention weights (kept while the
+block runs) and of one expert at a time (routed experts keep nothing), plus the caches and activations,
+whatever the checkpoint's size.
 
 The values are bitwise those of the in-memory model: the same bytes land in the parameters before the block
 runs, and every derived copy (dequantized or re-laid-out weights) is rebuilt from them. Each forward call
@@ -40,7 +40,7 @@ class _Entry:
 
 @dataclass
 class OffloadStats:
-    blocks_run: int = 0
+    blocks_run: int = 0     # units run: blocks and the head
     bytes_read: int = 0
     read_s: float = 0.0     # time the reading thread spent in read calls
     wait_s: float = 0.0     # time the model stood still waiting for a block's weights
@@ -49,18 +49,24 @@ class OffloadStats:
 
     def summary(self) -> str:
         if not self.blocks_run:
-            return "offload: no block ran"
+            return "offload: nothing ran"
         gbps = self.bytes_read / self.read_s / 1e9 if self.read_s else float("inf")
-        return (f"offload: {self.blocks_run} blocks run, {self.bytes_read / 1e9:.2f} GB read at "
-                f"{gbps:.2f} GB/s, {self.block_s / self.blocks_run:.3f} s per block, waiting on disk "
-                f"{self.wait_s:.2f} s ({100 * self.wait_s / max(self.block_s, 1e-9):.0f}% of block time)")
+        return (f"offload: {self.blocks_run} units run (blocks and head), {self.bytes_read / 1e9:.2f} GB "
+                f"read at {gbps:.2f} GB/s, {self.block_s / self.blocks_run:.3f} s per unit, waiting on disk "
+                f"{self.wait_s:.2f} s ({100 * self.wait_s / max(self.block_s, 1e-9):.0f}% of unit time)")
+
+
+def _units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """What streams, in the order a forward call runs it: every backbone block (its Engram module aside),
+    then the head."""
+    return [(f"layers.{i}.", layer) for i, layer in enumerate(model.layers)] + [("head.", model.head)]
 
 
 def streamed_names(model: nn.Module) -> List[str]:
-    """The parameters the stream owns: every backbone block's, except its Engram module."""
-    names = []
-    for i, layer in enumerate(model.layers):
-        names += [f"layers.{i}.{n}" for n, _ in layer.named_parameters() if not n.startswith("engram.")]
+    """The parameters the stream owns (read per unit, or mapped: the embedding)."""
+    names = ["embed.weight"]
+    for prefix, unit in _units(model):
+        names += [prefix + n for n, _ in unit.named_parameters() if not n.startswith("engram.")]
     return names
 
 
@@ -76,23 +82,24 @@ def _read_into(fd: int, buf: torch.Tensor, offset: int) -> None:
 
 
 class BlockStreamer:
-    """Materialises `model.layers[i]`'s weights just before the block runs (a forward pre-hook) and releases
-    them after (a forward hook); the next block's bytes are read meanwhile in one background thread. Blocks
-    are expected in order 0, 1, ..., n-1 within a forward call; any other order still works (the read is
-    then made while the model waits)."""
+    """Materialises a unit's weights (block i, or the head) just before it runs (a forward pre-hook) and
+    releases them after (a forward hook); the next unit's bytes are read meanwhile in one background thread.
+    Units are expected in order (blocks 0..n-1, head) within a forward call; any other order still works
+    (the DSpark head calls the head again: the read is then made while the model waits)."""
 
     def __init__(self, model: nn.Module, path: str, infos: Dict[str, TensorInfo], progress: bool = False):
         if torch.device(model.ctx.device).type != "cpu":
             raise InputError(f"--offload disk runs on the CPU for now (the model is on {model.ctx.device})")
-        self.path, self.n, self.layers = path, len(model.layers), list(model.layers)
+        self.path, units = path, _units(model)
+        self.n, self.modules = len(units), [m for _, m in units]
         dtypes = torch_dtypes()
         self.blocks: List[List[_Entry]] = []
-        for i, layer in enumerate(model.layers):
+        for prefix, unit in units:
             entries = []
-            for name, p in layer.named_parameters():
+            for name, p in unit.named_parameters():
                 if name.startswith("engram."):
                     continue
-                full = f"layers.{i}.{name}"
+                full = prefix + name
                 info = infos.get(full)
                 if info is None:
                     raise InputError(f"{path} does not match the model: tensor {full} is missing")
@@ -101,13 +108,17 @@ class BlockStreamer:
                 if stored != p.dtype and not widened or info.nbytes * (2 if widened else 1) != p.nbytes:
                     raise InputError(f"{path}: tensor {full} is {info.dtype} {list(info.shape)}, expected "
                                      f"{p.dtype} {list(p.shape)}")
-                owner, attr = full[len(f"layers.{i}."):].rpartition(".")[::2]
-                module = layer.get_submodule(owner) if owner else layer
+                owner, attr = name.rpartition(".")[::2]
+                module = unit.get_submodule(owner) if owner else unit
                 entries.append(_Entry(module, attr, full, tuple(p.shape), p.dtype, info))
                 module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                         requires_grad=False)
             self.blocks.append(entries)
-        # Two slots of buffers, reused by whichever block lands in them (keyed by shape and dtype, so blocks
+        for name, m in model.layers.named_modules():       # routed experts: one use per forward
+            if ".ffn.experts." in f".{name}." and hasattr(m, "keep_derived"):
+                m.keep_derived = False
+        self._map_embedding(model, infos)
+        # Two slots of buffers, reused by whichever unit lands in them (keyed by shape and dtype, so blocks
         # of different roles share what they can).
         self.slots: List[Dict[Tuple, List[torch.Tensor]]] = [{}, {}]
         self.next_slot = 0
@@ -122,27 +133,36 @@ class BlockStreamer:
         if progress:
             from tqdm import tqdm
             # One running count of blocks for the whole run, shown only once the run takes a while.
-            self.bar = tqdm(unit="block", desc=f"blocks streamed ({self.n} per forward)", file=sys.stderr,
-                            delay=5.0, mininterval=2.0)
+            self.bar = tqdm(unit="unit", desc=f"blocks + head streamed ({self.n} per forward)",
+                            file=sys.stderr, delay=5.0, mininterval=2.0)
         self.hooks = []
-        for i, layer in enumerate(model.layers):
-            self.hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
-            self.hooks.append(layer.register_forward_hook(lambda m, a, out, i=i: self._after(i)))
+        for i, module in enumerate(self.modules):
+            self.hooks.append(module.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
+            self.hooks.append(module.register_forward_hook(lambda m, a, out, i=i: self._after(i)))
+
+    def _map_embedding(self, model: nn.Module, infos: Dict[str, TensorInfo]) -> None:
+        """The embedding table as a private memory map of the file: a lookup reads only its rows' pages."""
+        info, p = infos.get("embed.weight"), model.embed.weight
+        if info is None or info.dtype != "BF16" or info.nbytes != p.nbytes or info.offset % 2:
+            raise InputError(f"{self.path}: embed.weight is not the expected bf16 {list(p.shape)} table")
+        data = torch.from_file(self.path, shared=False, size=os.path.getsize(self.path), dtype=torch.uint8)
+        table = data[info.offset:info.offset + info.nbytes].view(torch.bfloat16).view(p.shape)
+        model.embed._parameters["weight"] = nn.Parameter(table, requires_grad=False)
 
     # -- reading (background thread) ---------------------------------------------------------------------
 
     def _buffers(self, block: int, slot: int) -> List[torch.Tensor]:
-        """The slot's buffers for this block's tensors, allocated the first time a shape is needed."""
-        free = {k: list(v) for k, v in self.slots[slot].items()}
+        """The slot's buffers for this unit's tensors: reused where the shape and dtype match, allocated
+        otherwise; buffers this unit does not use are dropped, so a slot never holds more than one unit."""
+        free = self.slots[slot]
+        kept: Dict[Tuple, List[torch.Tensor]] = {}
         out = []
         for e in self.blocks[block]:
             key = (e.shape, e.dtype)
-            if free.get(key):
-                out.append(free[key].pop())
-            else:
-                t = torch.empty(e.shape, dtype=e.dtype)
-                self.slots[slot].setdefault(key, []).append(t)
-                out.append(t)
+            t = free[key].pop() if free.get(key) else torch.empty(e.shape, dtype=e.dtype)
+            kept.setdefault(key, []).append(t)
+            out.append(t)
+        self.slots[slot] = kept
         return out
 
     def _read(self, block: int, slot: int) -> List[torch.Tensor]:
@@ -206,7 +226,7 @@ class BlockStreamer:
 
     def _clear_caches(self, i: int) -> None:
         """Drop what the kernels derived from the weights (dequantized copies, invariant layouts)."""
-        for name, m in self.layers[i].named_modules():
+        for name, m in self.modules[i].named_modules():
             if hasattr(m, "clear_cache") and not name.startswith("engram"):
                 m.clear_cache()
 
