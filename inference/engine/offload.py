@@ -170,10 +170,13 @@ class BlockStreamer:
         bufs = self._buffers(block, slot)
         nbytes = 0
         for e, buf in zip(self.blocks[block], bufs):
-            if e.dtype == torch.float32 and e.info.dtype == "BF16":          # stored narrower: widen
-                staging = torch.empty(e.shape, dtype=torch.bfloat16)
-                _read_into(self.fd, staging, e.info.offset)
-                buf.copy_(staging)
+            if e.dtype == torch.float32 and e.info.dtype == "BF16":   # stored narrower: widen by 32 MiB
+                flat = buf.view(-1)
+                staging = torch.empty(min(flat.numel(), 16 << 20), dtype=torch.bfloat16)
+                for lo in range(0, flat.numel(), staging.numel()):
+                    part = staging[:min(staging.numel(), flat.numel() - lo)]
+                    _read_into(self.fd, part, e.info.offset + 2 * lo)
+                    flat[lo:lo + part.numel()].copy_(part)
             else:
                 _read_into(self.fd, buf, e.info.offset)
             nbytes += e.info.nbytes

@@ -1,0 +1,248 @@
+"""Benchmark `--offload disk`: a prefill streamed from a checkpoint several times larger than the memory the
+run may use, and streamed vs in-memory prefill on a model that fits. Figures are printed, never asserted.
+
+    python -m inference.tools.bench_offload                      # both parts, defaults below
+    python -m inference.tools.bench_offload --part big --mem-limit-gb 2 --tokens 2048
+
+big: bench.py's "large" model (dim 1024, 8 layers, released head geometry) widened to --experts routed experts
+of --moe-inter-dim, written once under --workdir (about 6 GB with the defaults). The prefill runs in a child
+process inside a memory cgroup limited to --mem-limit-gb (cgroup v2 memory.max or v1 memory.limit_in_bytes;
+page cache counts against it too); without a usable cgroup the run says so and is not enforced. The shard is
+evicted from the page cache before each run (posix_fadvise), so the reads come from the disk, whose cold
+sequential bandwidth is measured first.
+fit: the "large" model (32 experts) prefilled in memory and streamed, same tokens, same numerics.
+
+Per run (two prefills of the same tokens, the page cache emptied before each; figures of the second, the
+first call's time beside them): tokens/s, seconds per streamed unit (a block or the head), the share of that
+time spent waiting for the disk, bytes read and the reading thread's GB/s, and peak RSS (and the cgroup's
+peak usage).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def big_args(experts: int, inter: int, max_seq_len: int):
+    from .bench import make_args
+    args = make_args("large", max_seq_len)
+    args.n_routed_experts, args.moe_inter_dim = experts, inter
+    args.validate()
+    return args
+
+
+def ensure_checkpoint(name: str, args, workdir: str) -> str:
+    """Synthetic HF checkpoint -> convert.py at MP 1 (cached); returns the converted directory."""
+    from .synthetic import write_synthetic_checkpoint
+    hf, ckpt = os.path.join(workdir, f"{name}-hf"), os.path.join(workdir, f"{name}-mp1")
+    if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
+        print(f"writing the synthetic checkpoint {hf} (once) ...", flush=True)
+        write_synthetic_checkpoint(args, hf, seed=0, shards=4)
+        subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf, "--save-path",
+                        ckpt, "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(ckpt, "bench_config.json"), "w") as f:
+            json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f)
+    return ckpt
+
+
+def evict(path: str) -> None:
+    """Drop a file's pages from the page cache, so that the next read hits the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_bandwidth(path: str, limit: int = 2 << 30) -> float:
+    """Cold sequential read of the file's first `limit` bytes in 16 MiB reads -> GB/s."""
+    evict(path)
+    buf = bytearray(16 << 20)
+    done, t = 0, time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while done < limit:
+            n = f.readinto(buf)
+            if not n:
+                break
+            done += n
+    seconds = time.perf_counter() - t
+    evict(path)
+    return done / seconds / 1e9
+
+
+def make_cgroup(limit_bytes: int):
+    """A fresh memory cgroup limited to limit_bytes -> (its folder, cgroup.procs, peak-usage file) or None."""
+    name = f"dsv41-bench-{os.getpid()}-{time.monotonic_ns()}"
+    for base, limit_file, peak_file in (("/sys/fs/cgroup", "memory.max", "memory.peak"),
+                                        ("/sys/fs/cgroup/unified", "memory.max", "memory.peak"),
+                                        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                         "memory.max_usage_in_bytes")):
+        if not os.path.exists(os.path.join(base, "cgroup.procs")):
+            continue
+        if base != "/sys/fs/cgroup/memory":
+            try:
+                with open(os.path.join(base, "cgroup.controllers")) as f:
+                    if "memory" not in f.read().split():
+                        continue
+            except OSError:
+                continue
+        path = os.path.join(base, name)
+        try:
+            os.mkdir(path)
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit_bytes))
+            swap = os.path.join(path, "memory.memsw.limit_in_bytes")   # v1: no escape into swap
+            if os.path.exists(swap):
+                with open(swap, "w") as f:
+                    f.write(str(limit_bytes))
+            return path, os.path.join(path, "cgroup.procs"), os.path.join(path, peak_file)
+        except OSError:
+            continue
+    return None
+
+
+def child(opts) -> None:
+    """Runs inside the limit: load (streamed or in memory), prefill once, print one JSON line."""
+    import torch
+    from encoding.tokenizer import load_tokenizer
+    from ..config import ModelArgs, RuntimeOptions
+    from ..engine.checkpoint import load_model
+    from ..parallel import ParallelContext
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    with open(os.path.join(opts.ckpt, "bench_config.json")) as f:
+        args = ModelArgs.from_dict(json.load(f), max_seq_len=opts.tokens + 8, max_batch_size=1)
+    runtime = RuntimeOptions.from_profile(opts.numerics,
+                                          engram_on="disk" if opts.offload == "disk" else "device")
+    t = time.perf_counter()
+    model = load_model(opts.ckpt, args, ParallelContext.single(), runtime, "cpu", load_tokenizer(opts.ckpt),
+                       log=lambda *a: None, offload=opts.offload)
+    load_s = time.perf_counter() - t
+    ids = torch.randint(3, args.vocab_size, (1, opts.tokens), generator=torch.Generator().manual_seed(0))
+    shard = os.path.join(opts.ckpt, "model0-mp1.safetensors")
+    stream = model.weight_stream
+    times, first = [], None
+    for _ in range(2):   # the first call also builds what the kernels cache (in memory: kept; streamed: not)
+        model.reset()
+        evict(shard)     # streamed: every call reads from the disk, not from the page cache
+        if stream is not None:
+            first = dataclasses.replace(stream.stats, per_block=[])
+        t = time.perf_counter()
+        model(ids, 0)
+        times.append(time.perf_counter() - t)
+    out = {"load_s": load_s, "first_s": times[0], "prefill_s": times[1], "tok_s": opts.tokens / times[1],
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if stream is not None:     # the second call's figures
+        st = stream.stats
+        stream.close()
+        units, block_s = st.blocks_run - first.blocks_run, st.block_s - first.block_s
+        read_b, read_s = st.bytes_read - first.bytes_read, st.read_s - first.read_s
+        out.update(units=units, s_per_unit=block_s / units, wait_share=(st.wait_s - first.wait_s) / block_s,
+                   bytes_read=read_b, read_gbps=read_b / read_s / 1e9)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_child(ckpt: str, offload: str, opts, limit_gb: float = 0.0) -> dict:
+    shard = os.path.join(ckpt, "model0-mp1.safetensors")
+    evict(shard)
+    cmd = [sys.executable, "-m", "inference.tools.bench_offload", "--child", "--ckpt", ckpt, "--offload",
+           offload, "--tokens", str(opts.tokens), "--numerics", opts.numerics, "--threads", str(opts.threads)]
+    group, preexec = None, None
+    if limit_gb:
+        group = make_cgroup(int(limit_gb * 2 ** 30))
+        if group is None:
+            print(f"  (no writable memory cgroup here: the {limit_gb} GiB limit is NOT enforced)")
+        else:
+            procs = group[1]
+
+            def preexec():
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=preexec)
+    result = {"enforced": group is not None, "returncode": proc.returncode}
+    if group is not None:
+        try:
+            with open(group[2]) as f:
+                result["cgroup_peak"] = int(f.read())
+        except OSError:
+            pass
+        try:
+            os.rmdir(group[0])
+        except OSError:
+            pass
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        result["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        if proc.returncode in (-9, 137):
+            result["error"] = "killed (out of memory inside the limit)"
+        return result
+    result.update(json.loads(lines[-1][len("RESULT "):]))
+    return result
+
+
+def describe(tag: str, r: dict) -> str:
+    if "error" in r:
+        return f"  {tag}: FAILED ({r['error']})"
+    gib = 2 ** 30
+    text = (f"  {tag}: prefill {r['tok_s']:.1f} tok/s ({r['prefill_s']:.1f} s; first call "
+            f"{r['first_s']:.1f} s; load {r['load_s']:.1f} s), peak RSS {r['peak_rss'] / gib:.2f} GiB")
+    if "cgroup_peak" in r:
+        text += f", cgroup peak {r['cgroup_peak'] / gib:.2f} GiB (page cache included)"
+    if "units" in r:
+        text += (f"\n      {r['units']} units streamed, {r['s_per_unit']:.2f} s per unit, waiting on disk "
+                 f"{100 * r['wait_share']:.0f}% of it, {r['bytes_read'] / 1e9:.2f} GB read at "
+                 f"{r['read_gbps']:.2f} GB/s")
+    return text
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["big", "fit", "both"], default="both")
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dsv41-bench"))
+    ap.add_argument("--tokens", type=int, default=2048, help="prefill length (default 2048)")
+    ap.add_argument("--mem-limit-gb", type=float, default=2.0, help="the big run's memory limit, GiB")
+    ap.add_argument("--experts", type=int, default=256, help="big model: routed experts per block")
+    ap.add_argument("--moe-inter-dim", type=int, default=1536, help="big model: expert width")
+    ap.add_argument("--numerics", default="fast", help="generate.py's --numerics words (default fast)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--offload", default="disk", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    if opts.child:
+        return child(opts)
+    os.makedirs(opts.workdir, exist_ok=True)
+    print(f"{os.cpu_count()} CPUs, numerics {opts.numerics}, prefill of {opts.tokens} tokens")
+    if opts.part in ("big", "both"):
+        args = big_args(opts.experts, opts.moe_inter_dim, opts.tokens + 8)
+        ckpt = ensure_checkpoint(f"big-e{opts.experts}-i{opts.moe_inter_dim}", args, opts.workdir)
+        shard = os.path.join(ckpt, "model0-mp1.safetensors")
+        size = os.path.getsize(shard)
+        print(f"[big] {args.n_layers} blocks of {opts.experts} experts x {opts.moe_inter_dim}: shard "
+              f"{size / 2 ** 30:.2f} GiB = {size / 2 ** 30 / opts.mem_limit_gb:.1f} x the "
+              f"{opts.mem_limit_gb} GiB limit; disk: {disk_bandwidth(shard):.2f} GB/s cold sequential read")
+        print(describe("streamed, limited", run_child(ckpt, "disk", opts, opts.mem_limit_gb)))
+    if opts.part in ("fit", "both"):
+        from .bench import make_args
+        args = make_args("large", opts.tokens + 8)
+        ckpt = ensure_checkpoint("offload-large", args, opts.workdir)
+        shard = os.path.join(ckpt, "model0-mp1.safetensors")
+        print(f"[fit] the large model, shard {os.path.getsize(shard) / 2 ** 30:.2f} GiB; disk: "
+              f"{disk_bandwidth(shard):.2f} GB/s cold sequential read")
+        memory = run_child(ckpt, "none", opts)
+        print(describe("in memory", memory))
+        disk = run_child(ckpt, "disk", opts)
+        print(describe("streamed (cold page cache)", disk))
+        if "error" not in memory and "error" not in disk:
+            print(f"  streamed / in-memory prefill speed: {disk['tok_s'] / memory['tok_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
