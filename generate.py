@@ -309,7 +309,7 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
-                                   log.info, offload=o.offload)
+                                   log.info, offload=o.offload, dspark=o.dspark or spec is not None)
     start = time.perf_counter()
     if o.score:
         score_mode(sess, *work)

@@ -77,6 +77,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
     keys = set(f.keys())
     if getattr(model, "language_model_only", False):      # the vision tower was not built on purpose
         keys = {k for k in keys if not k.startswith(_VISION_PREFIXES)}
+    if getattr(model, "mtp", True) is None:                # the draft head was not built on purpose
+        keys = {k for k in keys if not k.startswith("mtp.")}
     missing = sorted(set(params) - keys)
     unexpected = sorted(k for k in keys - set(params) if not _ALIAS.match(k))
     if missing or unexpected:
@@ -171,16 +173,18 @@ def check_memory(args, par, opts, device: str, language_model_only: bool = False
 
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,
                language_model_only: bool = False, log=print, gpu_mem: Optional[int] = None,
-               offload: str = "none"):
+               offload: str = "none", dspark: bool = False):
     """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`, after checking
     that it fits (on CUDA, or within a `gpu_mem` byte budget). offload="disk": the blocks' weights stay in the
-    file and stream in per block (offload.py); the streamer is `model.weight_stream` (else None)."""
+    file and stream in per block (offload.py); the streamer is `model.weight_stream` (else None), and the
+    DSpark draft head (as large as a block or more, and resident) is only built when `dspark` asks for it."""
     if offload not in ("none", "disk"):
         raise InputError(f"unknown offload {offload!r} (none or disk)")
     if offload == "none":
         check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
     log("build model")
-    model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only)
+    model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only,
+                        build_dspark=offload == "none" or dspark)
     stream = None
     if offload == "disk":
         from .offload import BlockStreamer, streamed_names
