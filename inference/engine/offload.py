@@ -1,12 +1,13 @@
 """Weights streamed from disk (`--offload disk`): the blocks' and the head's weights stay in the converted
-shard file and are read into two reused sets of buffers, one unit (a block, or the head) at a time, while the
+shard file and are read into two reused buffers, one unit (a block, or the head) at a time, while the
 next unit's are read in a background thread; the embedding table is memory-mapped (a lookup reads its rows).
 
-What stays in memory: the final norm, the vision tower, the DSpark draft head, every cache, and each Engram
-module's small weights (its tables are mapped from the file: only looked-up rows are read). So the peak is
-about two blocks' stored bytes, plus the dequantized copies of one block's attention weights (kept while the
-block runs) and of one expert at a time (routed experts keep nothing), plus the caches and activations,
-whatever the checkpoint's size.
+What stays in memory: the final norm, the vision tower, every cache, each Engram module's small weights (its
+tables are mapped from the file: only looked-up rows are read) and, with --dspark or --speculative only, the
+DSpark draft head. So the peak is two units' bytes (each buffer is as large as the largest unit: a block, or
+the head widened to fp32), plus the dequantized copies of one block's attention weights (kept while the block
+runs) and of one expert at a time (routed experts keep nothing), plus the caches and activations, whatever the
+checkpoint's size.
 
 The values are bitwise those of the in-memory model: the same bytes land in the parameters before the block
 runs, and every derived copy (dequantized or re-laid-out weights) is rebuilt from them. Each forward call
@@ -35,6 +36,7 @@ class _Entry:
     name: str               # full parameter name, as in the shard file
     shape: Tuple[int, ...]
     dtype: torch.dtype
+    nbytes: int             # in memory (a widened tensor: twice its stored bytes)
     info: TensorInfo        # where its bytes are in the file
 
 
@@ -110,7 +112,7 @@ class BlockStreamer:
                                      f"{p.dtype} {list(p.shape)}")
                 owner, attr = name.rpartition(".")[::2]
                 module = unit.get_submodule(owner) if owner else unit
-                entries.append(_Entry(module, attr, full, tuple(p.shape), p.dtype, info))
+                entries.append(_Entry(module, attr, full, tuple(p.shape), p.dtype, p.nbytes, info))
                 module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                         requires_grad=False)
             self.blocks.append(entries)
@@ -118,9 +120,12 @@ class BlockStreamer:
             if ".ffn.experts." in f".{name}." and hasattr(m, "keep_derived"):
                 m.keep_derived = False
         self._map_embedding(model, infos)
-        # Two slots of buffers, reused by whichever unit lands in them (keyed by shape and dtype, so blocks
-        # of different roles share what they can).
-        self.slots: List[Dict[Tuple, List[torch.Tensor]]] = [{}, {}]
+        # Two slots, each one flat byte buffer as large as the largest unit; a unit's tensors are views into
+        # it at fixed offsets. One allocation per slot for the whole run: no per-tensor allocations, no heap
+        # fragmentation, and a bound of exactly two units.
+        self.offsets = [self._layout(entries) for entries in self.blocks]
+        self.slot_bytes = max(end for *_, end in self.offsets) if self.offsets else 0
+        self.slots: List[Optional[torch.Tensor]] = [None, None]
         self.next_slot = 0
         self.pending: Optional[Tuple[int, int, object]] = None     # (block, slot, future)
         self.attached: Optional[int] = None
@@ -151,19 +156,22 @@ class BlockStreamer:
 
     # -- reading (background thread) ---------------------------------------------------------------------
 
+    @staticmethod
+    def _layout(entries: List[_Entry]) -> List[int]:
+        """Byte offsets of a unit's tensors in a slot (64-byte aligned), then the unit's total."""
+        out, pos = [], 0
+        for e in entries:
+            out.append(pos)
+            pos += -(-e.nbytes // 64) * 64
+        return out + [pos]
+
     def _buffers(self, block: int, slot: int) -> List[torch.Tensor]:
-        """The slot's buffers for this unit's tensors: reused where the shape and dtype match, allocated
-        otherwise; buffers this unit does not use are dropped, so a slot never holds more than one unit."""
-        free = self.slots[slot]
-        kept: Dict[Tuple, List[torch.Tensor]] = {}
-        out = []
-        for e in self.blocks[block]:
-            key = (e.shape, e.dtype)
-            t = free[key].pop() if free.get(key) else torch.empty(e.shape, dtype=e.dtype)
-            kept.setdefault(key, []).append(t)
-            out.append(t)
-        self.slots[slot] = kept
-        return out
+        """Views of the slot's buffer, one per tensor of the unit, in their dtypes and shapes."""
+        if self.slots[slot] is None:
+            self.slots[slot] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        arena, offsets = self.slots[slot], self.offsets[block]
+        return [arena[off:off + e.nbytes].view(e.dtype).view(e.shape)
+                for e, off in zip(self.blocks[block], offsets)]
 
     def _read(self, block: int, slot: int) -> List[torch.Tensor]:
         start = time.perf_counter()

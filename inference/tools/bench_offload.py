@@ -4,12 +4,12 @@ run may use, and streamed vs in-memory prefill on a model that fits. Figures are
     python -m inference.tools.bench_offload                      # both parts, defaults below
     python -m inference.tools.bench_offload --part big --mem-limit-gb 2 --tokens 2048
 
-big: bench.py's "large" model (dim 1024, 8 layers, released head geometry) widened to --experts routed experts
-of --moe-inter-dim, written once under --workdir (about 6 GB with the defaults). The prefill runs in a child
-process inside a memory cgroup limited to --mem-limit-gb (cgroup v2 memory.max or v1 memory.limit_in_bytes;
-page cache counts against it too); without a usable cgroup the run says so and is not enforced. The shard is
-evicted from the page cache before each run (posix_fadvise), so the reads come from the disk, whose cold
-sequential bandwidth is measured first.
+big: bench.py's "large" model (dim 1024, released head geometry) deepened to --layers blocks of --experts
+routed experts of width --moe-inter-dim, written once under --workdir (7.3 GiB with the defaults). The
+prefill runs in a child process inside a memory cgroup limited to --mem-limit-gb (cgroup v2 memory.max or
+v1 memory.limit_in_bytes; page cache counts against it too); without a usable cgroup the run says so and is
+not enforced. The shard is evicted from the page cache before each run (posix_fadvise), so the reads come
+from the disk, whose cold sequential bandwidth is measured first.
 fit: the "large" model (32 experts) prefilled in memory and streamed, same tokens, same numerics.
 
 Per run (two prefills of the same tokens, the page cache emptied before each; figures of the second, the
@@ -30,12 +30,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def big_args(experts: int, inter: int, max_seq_len: int):
+def big_args(n_layers: int, experts: int, inter: int, max_seq_len: int):
+    """bench.py's "large" model with n_layers blocks (layer roles laid out as in bench_convert.py's scaled
+    configs) of `experts` routed experts of width `inter`."""
     from .bench import make_args
-    args = make_args("large", max_seq_len)
-    args.n_routed_experts, args.moe_inter_dim = experts, inter
-    args.validate()
-    return args
+    from ..config import ModelArgs
+    base = {k: v for k, v in vars(make_args("large", max_seq_len)).items() if not k.startswith("_")}
+    half = max(3, n_layers // 2)
+    kv = [2, half] if n_layers > half else [2]
+    return ModelArgs.from_dict(dict(
+        base, n_layers=n_layers, n_routed_experts=experts, moe_inter_dim=inter,
+        compress_ratios=[0, 0] + [2] * (half - 2) + [1] * (n_layers - half) + [0] * base["n_mtp_layers"],
+        kv_source_layers=kv, index_source_layers=sorted(set(kv + list(range(half, n_layers, 4)))),
+        candidate_source_layer=kv[-1], dspark_target_layer_ids=[n_layers - 3, n_layers - 2, n_layers - 1]))
 
 
 def ensure_checkpoint(name: str, args, workdir: str) -> str:
@@ -162,9 +169,10 @@ def run_child(ckpt: str, offload: str, opts, limit_gb: float = 0.0) -> dict:
         else:
             procs = group[1]
 
-            def preexec():
+            def join_group():     # in the child, before it runs Python: its whole life is inside the limit
                 with open(procs, "w") as f:
                     f.write(str(os.getpid()))
+            preexec = join_group
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, preexec_fn=preexec)
     result = {"enforced": group is not None, "returncode": proc.returncode}
     if group is not None:
@@ -202,14 +210,49 @@ def describe(tag: str, r: dict) -> str:
     return text
 
 
+def weight_macs_per_token(args) -> float:
+    """Multiply-adds per token in the weight GEMMs of one forward (every block, the head; routed experts at
+    their activated share). Attention scores and the indexer are left out: a lower bound on the work."""
+    from ..engine.memory import build_meta_model
+    from ..layers import Linear
+    from ..config import RuntimeOptions
+    model = build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
+    share = args.n_activated_experts / args.n_routed_experts
+    macs = float(args.vocab_size * args.dim)                                         # the head
+    for name, m in model.layers.named_modules():
+        if isinstance(m, Linear) and ".engram." not in f".{name}.":
+            macs += m.in_features * m.out_features * (share if ".ffn.experts." in f".{name}." else 1.0)
+    return macs
+
+
+def released_estimate(config_path: str, tokens: int, gmacs: float, disk_gbps: float) -> str:
+    """What a prefill of `tokens` through the released model (config.json) takes streamed at MP 1, at a
+    machine's measured weight-GEMM rate and disk bandwidth: per block, the read overlaps the compute."""
+    from ..config import ModelArgs
+    from ..engine.memory import build_meta_model
+    from ..config import RuntimeOptions
+    args = ModelArgs.from_file(config_path)
+    model = build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
+    block = max(sum(p.nbytes for n, p in layer.named_parameters() if not n.startswith("engram."))
+                for layer in model.layers)
+    per_block_macs = (weight_macs_per_token(args) - args.vocab_size * args.dim) / args.n_layers
+    read_s, compute_s = block / disk_gbps / 1e9, tokens * per_block_macs / gmacs / 1e9
+    total = args.n_layers * max(read_s, compute_s)
+    return (f"released model ({args.n_layers} blocks of {block / 1e9:.2f} GB), {tokens}-token prefill at "
+            f"{gmacs:.0f} GMAC/s and {disk_gbps:.2f} GB/s: per block {read_s:.1f} s reading, "
+            f"{compute_s:.1f} s computing -> about {total / 60:.1f} min "
+            f"({'disk' if read_s > compute_s else 'compute'}-bound)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["big", "fit", "both"], default="both")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dsv41-bench"))
     ap.add_argument("--tokens", type=int, default=2048, help="prefill length (default 2048)")
     ap.add_argument("--mem-limit-gb", type=float, default=2.0, help="the big run's memory limit, GiB")
+    ap.add_argument("--layers", type=int, default=16, help="big model: blocks")
     ap.add_argument("--experts", type=int, default=256, help="big model: routed experts per block")
-    ap.add_argument("--moe-inter-dim", type=int, default=1536, help="big model: expert width")
+    ap.add_argument("--moe-inter-dim", type=int, default=1024, help="big model: expert width")
     ap.add_argument("--numerics", default="fast", help="generate.py's --numerics words (default fast)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -221,14 +264,28 @@ def main(argv=None):
     os.makedirs(opts.workdir, exist_ok=True)
     print(f"{os.cpu_count()} CPUs, numerics {opts.numerics}, prefill of {opts.tokens} tokens")
     if opts.part in ("big", "both"):
-        args = big_args(opts.experts, opts.moe_inter_dim, opts.tokens + 8)
-        ckpt = ensure_checkpoint(f"big-e{opts.experts}-i{opts.moe_inter_dim}", args, opts.workdir)
+        args = big_args(opts.layers, opts.experts, opts.moe_inter_dim, opts.tokens + 8)
+        name = f"big-l{opts.layers}-e{opts.experts}-i{opts.moe_inter_dim}"
+        ckpt = ensure_checkpoint(name, args, opts.workdir)
         shard = os.path.join(ckpt, "model0-mp1.safetensors")
         size = os.path.getsize(shard)
+        disk_gbps = disk_bandwidth(shard)
         print(f"[big] {args.n_layers} blocks of {opts.experts} experts x {opts.moe_inter_dim}: shard "
               f"{size / 2 ** 30:.2f} GiB = {size / 2 ** 30 / opts.mem_limit_gb:.1f} x the "
-              f"{opts.mem_limit_gb} GiB limit; disk: {disk_bandwidth(shard):.2f} GB/s cold sequential read")
-        print(describe("streamed, limited", run_child(ckpt, "disk", opts, opts.mem_limit_gb)))
+              f"{opts.mem_limit_gb} GiB limit; disk: {disk_gbps:.2f} GB/s cold sequential read")
+        big = run_child(ckpt, "disk", opts, opts.mem_limit_gb)
+        print(describe("streamed, limited", big))
+        if "error" not in big:
+            busy = big["prefill_s"] * (1 - big["wait_share"])          # time not spent waiting on the disk
+            gmacs = opts.tokens * weight_macs_per_token(args) / busy / 1e9
+            print(f"  weight GEMMs: {gmacs:.1f} GMAC/s on this machine (a lower bound: attention not "
+                  f"counted)")
+            released = os.path.join(ROOT, "config.json")
+            print("  " + released_estimate(released, opts.tokens, gmacs, disk_gbps))
+            cores = os.cpu_count() or 1
+            for scale, gbps in ((16, 3.0), (32, 6.0)):    # a bigger machine of the same kind of core
+                print(f"  with {scale * cores} such cores and a {gbps:.0f} GB/s disk: "
+                      + released_estimate(released, opts.tokens, scale * gmacs, gbps))
     if opts.part in ("fit", "both"):
         from .bench import make_args
         args = make_args("large", opts.tokens + 8)
