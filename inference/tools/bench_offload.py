@@ -12,7 +12,7 @@ not enforced. The shard is evicted from the page cache before each run (posix_fa
 from the disk, whose cold sequential bandwidth is measured first.
 fit: the "large" model (32 experts) prefilled in memory and streamed, same tokens, same numerics.
 
-Per run (two prefills of the same tokens, the page cache emptied before each; figures of the second, the
+Per run (--repeat prefills of the same tokens, the page cache emptied before each; figures of the last, the
 first call's time beside them): tokens/s, seconds per streamed unit (a block or the head), the share of that
 time spent waiting for the disk, bytes read and the reading thread's GB/s, and peak RSS (and the cgroup's
 peak usage).
@@ -136,7 +136,7 @@ def child(opts) -> None:
     shard = os.path.join(opts.ckpt, "model0-mp1.safetensors")
     stream = model.weight_stream
     times, first = [], None
-    for _ in range(2):   # the first call also builds what the kernels cache (in memory: kept; streamed: not)
+    for _ in range(opts.repeat):   # the first call also builds what the kernels cache (in memory: kept)
         model.reset()
         evict(shard)     # streamed: every call reads from the disk, not from the page cache
         if stream is not None:
@@ -144,9 +144,9 @@ def child(opts) -> None:
         t = time.perf_counter()
         model(ids, 0)
         times.append(time.perf_counter() - t)
-    out = {"load_s": load_s, "first_s": times[0], "prefill_s": times[1], "tok_s": opts.tokens / times[1],
+    out = {"load_s": load_s, "first_s": times[0], "prefill_s": times[-1], "tok_s": opts.tokens / times[-1],
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if stream is not None:     # the second call's figures
+    if stream is not None:     # the last call's figures
         st = stream.stats
         stream.close()
         units, block_s = st.blocks_run - first.blocks_run, st.block_s - first.block_s
@@ -160,7 +160,8 @@ def run_child(ckpt: str, offload: str, opts, limit_gb: float = 0.0) -> dict:
     shard = os.path.join(ckpt, "model0-mp1.safetensors")
     evict(shard)
     cmd = [sys.executable, "-m", "inference.tools.bench_offload", "--child", "--ckpt", ckpt, "--offload",
-           offload, "--tokens", str(opts.tokens), "--numerics", opts.numerics, "--threads", str(opts.threads)]
+           offload, "--tokens", str(opts.tokens), "--numerics", opts.numerics, "--threads", str(opts.threads),
+           "--repeat", str(opts.repeat)]
     group, preexec = None, None
     if limit_gb:
         group = make_cgroup(int(limit_gb * 2 ** 30))
@@ -255,6 +256,7 @@ def main(argv=None):
     ap.add_argument("--moe-inter-dim", type=int, default=1024, help="big model: expert width")
     ap.add_argument("--numerics", default="fast", help="generate.py's --numerics words (default fast)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--repeat", type=int, default=2, help="prefills per run; figures of the last (default 2)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--offload", default="disk", help=argparse.SUPPRESS)
