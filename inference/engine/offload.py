@@ -72,6 +72,17 @@ def streamed_names(model: nn.Module) -> List[str]:
     return names
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None elsewhere. glibc serves the kernels' many mid-sized temporaries from its
+    heap and keeps what they free; on a streamed run that grows the peak by a block's worth of temporaries
+    per block until trimmed."""
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def _read_into(fd: int, buf: torch.Tensor, offset: int) -> None:
     """Fill `buf` (contiguous, CPU) with the file's bytes from `offset`; short reads are continued."""
     view = memoryview(buf.view(-1).view(torch.uint8).numpy())
@@ -140,6 +151,7 @@ class BlockStreamer:
             # One running count of blocks for the whole run, shown only once the run takes a while.
             self.bar = tqdm(unit="unit", desc=f"blocks + head streamed ({self.n} per forward)",
                             file=sys.stderr, delay=5.0, mininterval=2.0)
+        self.trim = _malloc_trim()
         self.hooks = []
         for i, module in enumerate(self.modules):
             self.hooks.append(module.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
@@ -220,6 +232,8 @@ class BlockStreamer:
 
     def _after(self, i: int) -> None:
         self._release(i)
+        if self.trim is not None:
+            self.trim(0)    # hand the block's freed temporaries back to the OS (glibc would keep them)
         took = time.perf_counter() - self.started
         self.stats.blocks_run += 1
         self.stats.block_s += took
