@@ -150,8 +150,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="break exact top-k ties by lowest index (reproducible across platforms)")
     add("--engram-on", choices=["device", "host", "disk"], default="device", help="Engram tables in GPU "
         "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
-    add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): the blocks' weights stay in "
-        "the shard file and stream in one block at a time; Engram tables mapped (README, Scoring on one CPU)")
+    add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if available)")
@@ -208,6 +207,7 @@ def check_options(o: argparse.Namespace) -> None:
         (o.max_batch_size is not None and o.max_batch_size < 1,
          f"--max-batch-size must be >= 1, got {o.max_batch_size}"),
         (o.max_seq_len is not None and o.max_seq_len < 1, f"--max-seq-len must be >= 1, got {o.max_seq_len}"),
+        (o.offload == "disk" and o.device != "cpu", f"--offload disk runs on the CPU (not {o.device})"),
         (o.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {o.device}: CUDA is not available (use --device cpu)"),
     ]

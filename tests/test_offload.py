@@ -131,3 +131,11 @@ def test_cli_offload_disk_writes_the_in_memory_file(tmp_path):
     units = re.search(r"offload: (\d+) units run \(blocks and head\)", proc.stdout + proc.stderr)
     assert units and int(units.group(1)) > 189, proc.stdout + proc.stderr
     assert_same(load_file(str(outs["none"])), load_file(str(outs["disk"])))
+
+
+def test_offload_on_a_gpu_is_refused_before_anything_is_built():
+    import generate
+    o = generate.parse_args(["--ckpt-path", FIXTURE, "--config", "c.json", "--score", "s.json",
+                             "--dump-logits", "x.safetensors", "--offload", "disk", "--device", "cuda:0"])
+    with pytest.raises(InputError, match=r"^--offload disk runs on the CPU \(not cuda:0\)$"):
+        generate.check_options(o)
