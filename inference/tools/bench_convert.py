@@ -24,6 +24,17 @@ from inference.tools.synthetic import hf_tensor_specs, write_synthetic_checkpoin
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def layer_roles(n_layers: int, n_mtp_layers: int) -> dict:
+    """Config keys that give n_layers blocks the released roles: two uncompressed blocks, ratio-2 blocks up to
+    the middle, ratio-1 after; KV written by block 2 and the middle one; index sources from the middle on."""
+    half = max(3, n_layers // 2)
+    kv = [2, half] if n_layers > half else [2]
+    return dict(n_layers=n_layers, n_mtp_layers=n_mtp_layers,
+                compress_ratios=[0, 0] + [2] * (half - 2) + [1] * (n_layers - half) + [0] * n_mtp_layers,
+                kv_source_layers=kv, index_source_layers=sorted(set(kv + list(range(half, n_layers, 4)))),
+                candidate_source_layer=kv[-1])
+
+
 def scaled_config(size_gb: float) -> ModelArgs:
     """A config with the released structure whose HF checkpoint is about size_gb (10^9 bytes)."""
     base = dict(vocab_size=32768, dim=2048, moe_inter_dim=1024, n_heads=16, head_dim=256, rope_head_dim=64,
@@ -33,14 +44,8 @@ def scaled_config(size_gb: float) -> ModelArgs:
                 dspark_n_routed_experts=32, dspark_n_activated_experts=3, vision_n_layers=0, window_size=128)
 
     def build(n_layers: int, rows: int) -> ModelArgs:
-        half = max(3, n_layers // 2)
-        ratios = [0, 0] + [2] * (half - 2) + [1] * (n_layers - half)
-        kv = [2, half] if n_layers > half else [2]
-        index = sorted(set(kv + list(range(half, n_layers, 4))))
         return ModelArgs.from_dict(dict(
-            base, n_layers=n_layers, n_mtp_layers=1, compress_ratios=ratios + [0], kv_source_layers=kv,
-            index_source_layers=index, candidate_source_layer=kv[-1],
-            engram_layer_ids=[1, min(3, n_layers - 1)],
+            base, **layer_roles(n_layers, n_mtp_layers=1), engram_layer_ids=[1, min(3, n_layers - 1)],
             engram_num_embeddings=[rows, rows + 1], dspark_target_layer_ids=[n_layers - 1]))
 
     def nbytes(args: ModelArgs) -> int:

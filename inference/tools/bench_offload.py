@@ -31,18 +31,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def big_args(n_layers: int, experts: int, inter: int, max_seq_len: int):
-    """bench.py's "large" model with n_layers blocks (layer roles laid out as in bench_convert.py's scaled
-    configs) of `experts` routed experts of width `inter`."""
+    """bench.py's "large" model with n_layers blocks (the layer roles of bench_convert.py's scaled configs) of
+    `experts` routed experts of width `inter`."""
     from .bench import make_args
+    from .bench_convert import layer_roles
     from ..config import ModelArgs
     base = {k: v for k, v in vars(make_args("large", max_seq_len)).items() if not k.startswith("_")}
-    half = max(3, n_layers // 2)
-    kv = [2, half] if n_layers > half else [2]
     return ModelArgs.from_dict(dict(
-        base, n_layers=n_layers, n_routed_experts=experts, moe_inter_dim=inter,
-        compress_ratios=[0, 0] + [2] * (half - 2) + [1] * (n_layers - half) + [0] * base["n_mtp_layers"],
-        kv_source_layers=kv, index_source_layers=sorted(set(kv + list(range(half, n_layers, 4)))),
-        candidate_source_layer=kv[-1], dspark_target_layer_ids=[n_layers - 3, n_layers - 2, n_layers - 1]))
+        base, **layer_roles(n_layers, base["n_mtp_layers"]), n_routed_experts=experts, moe_inter_dim=inter,
+        dspark_target_layer_ids=[n_layers - 3, n_layers - 2, n_layers - 1]))
 
 
 def ensure_checkpoint(name: str, args, workdir: str) -> str:
@@ -60,12 +57,8 @@ def ensure_checkpoint(name: str, args, workdir: str) -> str:
 
 
 def evict(path: str) -> None:
-    """Drop a file's pages from the page cache, so that the next read hits the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    from .bench_convert import drop_cache
+    drop_cache([path])
 
 
 def disk_bandwidth(path: str, limit: int = 2 << 30) -> float:
