@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from encoding import EncodingError, resolve_reasoning_effort
 from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
@@ -28,7 +27,7 @@ from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn,
                                       read_score_file)
 from inference.engine.scoring import score_to_file
 from inference.engram import EngramError
-from inference.parallel import ParallelContext, RankLog
+from inference.parallel import ParallelContext, RankLog, shutdown
 from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
@@ -339,10 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.error("interrupted")
         code = 130
     finally:
-        if dist.is_available() and dist.is_initialized():
-            if code == 0:
-                dist.barrier()          # nobody leaves while a peer still needs it
-            dist.destroy_process_group()
+        shutdown(ok=code == 0)
     return code
 
 

@@ -132,8 +132,10 @@ class EngramLayout:
                 raise EngramError(f"Engram layer {layer_id}: the primes sum to {total} rows, but "
                                   f"engram_num_embeddings[{i}] = {self.num_embeddings[i]}")
             primes.append(layer)
-        self.primes = torch.tensor(primes, dtype=torch.int64).view(len(self.layer_ids), self.n_orders,
-                                                                   self.n_heads)
+        # On the CPU even under a device context: a small host table (and a cumsum on the meta device would
+        # go through a decomposition that imports torch._dynamo, a second of start-up).
+        self.primes = torch.tensor(primes, dtype=torch.int64, device="cpu").view(len(self.layer_ids),
+                                                                                 self.n_orders, self.n_heads)
         flat = self.primes.flatten(1)  # [n_layers, cols]
         self.offsets = torch.cumsum(flat, dim=1) - flat  # exclusive prefix sums
 

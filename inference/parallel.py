@@ -24,6 +24,11 @@ class ParallelContext:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world > 1 and not dist.is_initialized():
+            # This module's functions take `group=group.WORLD` as a default, evaluated when it is imported.
+            # Imported after init (torch._dynamo imports it), they would hold the default group past
+            # destroy_process_group: its backend threads would then be torn down with the interpreter, at
+            # times with "terminate called without an active exception" (SIGABRT) once the run is done.
+            import torch.distributed.nn.functional  # noqa: F401
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
         return cls(world, rank, None)
 
@@ -63,6 +68,16 @@ class ParallelContext:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def shutdown(ok: bool) -> None:
+    """End torch.distributed if it was started: a barrier first when this rank finished well (nobody leaves
+    while a peer still needs it; after an error the peers stop on their own), then destroy_process_group,
+    which releases the backend and joins its threads while the interpreter is still whole."""
+    if dist.is_available() and dist.is_initialized():
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 class RankLog:

@@ -13,6 +13,12 @@ def precompute_freqs_cis(rope_dim: int, max_seq_len: int, base: float, original_
     invariant: the frequencies' powers and the table's cos / sin evaluated in fp64 from basic operations and
     rounded once to fp32 (a vectorised fp32 pow, cos or sin may round its last bit differently on another
     instruction set), returned as a real table [max_seq_len, rope_dim/2, 2]."""
+    if device is not None and torch.device(device).type == "meta":
+        # A memory plan needs the shape only (and meta arange / outer go through decompositions that import
+        # torch._dynamo: a second of start-up, and a hold on the process group past its destruction).
+        if invariant:
+            return torch.empty(max_seq_len, rope_dim // 2, 2, device="meta")
+        return torch.empty(max_seq_len, rope_dim // 2, dtype=torch.complex64, device="meta")
     if invariant:
         from .kernels.invariant import pow_
         exps = (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim).double()
@@ -31,8 +37,6 @@ def precompute_freqs_cis(rope_dim: int, max_seq_len: int, base: float, original_
         # This exact form (not ramp itself) is what the reference computes; it can differ by an ulp.
         freqs = freqs / factor * (1 - smooth) + freqs * smooth
     if invariant:
-        if torch.device(device).type == "meta":       # a memory plan: the shape is all it needs
-            return torch.empty(max_seq_len, freqs.shape[0], 2, device="meta")
         from .kernels.invariant import rope_table
         return rope_table(freqs, max_seq_len).to(device)
     t = torch.arange(max_seq_len, dtype=torch.float32, device=device)

@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,3 +190,18 @@ def test_loader_refuses_a_model_that_does_not_fit():
                    gpu_mem=1 << 20)
     assert any(line.startswith("memory plan") for line in lines)
     assert not any("load model" in line for line in lines)      # stopped before reading the shard
+
+
+def test_a_memory_plan_does_not_import_torch_dynamo():
+    """Meta-device ops that torch decomposes import torch._dynamo: a second of every run's start-up, and (it
+    imports torch.distributed.nn) a hold on the process group past its destruction. The plan avoids them."""
+    code = ("import sys; from inference.config import ModelArgs, RuntimeOptions; "
+            "from inference.engine.memory import plan_memory; "
+            f"a = ModelArgs.from_file({FIXTURE_CONFIG!r}); plan_memory(a, 2); "
+            "plan_memory(a, 1, RuntimeOptions.from_profile('invariant')); "
+            "print(sorted(m for m in sys.modules "
+            "if m.startswith(('torch._dynamo', 'torch.distributed.nn'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -2,12 +2,15 @@
 reference."""
 import os
 import re
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FIXTURE, free_port, fixture_file
+from conftest import FIXTURE, ROOT, free_port, fixture_file
 
 WORLD = 2
 
@@ -100,3 +103,43 @@ def test_tp2_matches_reference(tmp_path):
     assert all(margins[s] <= 2 * d.max() for s in flips)
     dd = (got["dspark"] - ref["dspark_logits"]).abs()
     assert dd.max() <= 0.35 and dd.mean() <= 0.05
+
+
+SHUTDOWN_SCRIPT = """
+import os, sys
+import torch
+from inference.parallel import ParallelContext, shutdown
+
+def threads():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(names)
+
+before = threads()
+par = ParallelContext.from_env("cpu")
+import torch._dynamo  # noqa: F401  (imports torch.distributed.nn after init, as a meta op once did)
+par.all_reduce(torch.ones(4))
+shutdown(ok=True)
+line = f"rank {par.rank} threads before init {before} after shutdown {threads()}\\n"
+os.write(1, line.encode())  # one write: the ranks share stdout
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the thread list from Linux /proc")
+def test_shutdown_joins_the_backend_threads(tmp_path):
+    """A process group that outlives destroy_process_group is torn down with the interpreter, and its gloo
+    threads then abort the run now and then once it is done (SIGABRT). After shutdown() every thread that
+    init started is gone, even when torch.distributed.nn was imported late."""
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2, proc.stdout + proc.stderr
+    for line in lines:
+        before, after = line.split(" threads before init ")[1].split(" after shutdown ")
+        assert before == after, line
