@@ -204,13 +204,18 @@ def describe(tag: str, r: dict) -> str:
     return text
 
 
-def weight_macs_per_token(args) -> float:
+def meta_model(args):
+    """The MP 1 model on the meta device, as streamed (Engram on disk, no DSpark head): shapes only."""
+    from ..config import RuntimeOptions
+    from ..engine.memory import build_meta_model
+    return build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
+
+
+def weight_macs_per_token(args, model=None) -> float:
     """Multiply-adds per token in the weight GEMMs of one forward (every block, the head; routed experts at
     their activated share). Attention scores and the indexer are left out: a lower bound on the work."""
-    from ..engine.memory import build_meta_model
     from ..layers import Linear
-    from ..config import RuntimeOptions
-    model = build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
+    model = model or meta_model(args)
     share = args.n_activated_experts / args.n_routed_experts
     macs = float(args.vocab_size * args.dim)                                         # the head
     for name, m in model.layers.named_modules():
@@ -223,13 +228,11 @@ def released_estimate(config_path: str, tokens: int, gmacs: float, disk_gbps: fl
     """What a prefill of `tokens` through the released model (config.json) takes streamed at MP 1, at a
     machine's measured weight-GEMM rate and disk bandwidth: per block, the read overlaps the compute."""
     from ..config import ModelArgs
-    from ..engine.memory import build_meta_model
-    from ..config import RuntimeOptions
     args = ModelArgs.from_file(config_path)
-    model = build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
+    model = meta_model(args)
     block = max(sum(p.nbytes for n, p in layer.named_parameters() if not n.startswith("engram."))
                 for layer in model.layers)
-    per_block_macs = (weight_macs_per_token(args) - args.vocab_size * args.dim) / args.n_layers
+    per_block_macs = (weight_macs_per_token(args, model) - args.vocab_size * args.dim) / args.n_layers
     read_s, compute_s = block / disk_gbps / 1e9, tokens * per_block_macs / gmacs / 1e9
     total = args.n_layers * max(read_s, compute_s)
     return (f"released model ({args.n_layers} blocks of {block / 1e9:.2f} GB), {tokens}-token prefill at "
