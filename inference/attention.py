@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 
 from .compressor import Compressor
-from . import kernels
 from .config import ModelArgs
 from .indexer import Indexer, _group_positions
 from .kv_cache import register_cache
@@ -46,7 +45,7 @@ class Attention(nn.Module):
         super().__init__()
         args: ModelArgs = ctx.args
         w = ctx.par.world_size
-        self.ctx, self.layer_id = ctx, layer_id
+        self.ctx, self.nx, self.layer_id = ctx, ctx.numerics, layer_id
         self.dim, self.n_heads, self.n_local_heads = args.dim, args.n_heads, args.n_heads // w
         self.head_dim, self.rope_dim = args.head_dim, args.rope_head_dim
         self.n_local_groups, self.o_lora_rank = args.o_groups // w, args.o_lora_rank
@@ -54,37 +53,32 @@ class Attention(nn.Module):
         self.ratio = args.compress_ratios[layer_id]
         self.softmax_scale = args.head_dim ** -0.5
         self.is_backbone = layer_id < args.n_layers
-        self.wq_a = Linear(args.dim, args.q_lora_rank, args.dtype)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
-        self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.n_heads * args.head_dim, args.dtype, ctx.par)
-        self.wkv = Linear(args.dim, args.head_dim, args.dtype)
-        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, args.dtype, ctx)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, ctx)
+        self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.n_heads * args.head_dim, args.dtype, ctx)
+        self.wkv = Linear(args.dim, args.head_dim, args.dtype, ctx)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps, ctx)
         self.wo_a = ColumnParallelLinear(args.n_heads * args.head_dim // args.o_groups,
-                                         args.o_groups * args.o_lora_rank, "bf16", ctx.par)
-        self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx.par)
+                                         args.o_groups * args.o_lora_rank, "bf16", ctx)
+        self.wo_b = RowParallelLinear(args.o_groups * args.o_lora_rank, args.dim, args.dtype, ctx)
         self.attn_sink = nn.Parameter(torch.empty(self.n_local_heads, dtype=torch.float32),
                                       requires_grad=False)
-        # Caches hold already-rounded values: packed FP8 / FP4 codes and scales unless numerics are golden.
+        # Caches hold already-rounded values: packed FP8 / FP4 codes and scales (fp32 activations: plain).
         register_cache(self, "kv_cache", (args.max_batch_size, self.window, args.head_dim), "fp8", ctx)
-        self._inv_wo_a = None    # the invariant order's layout of wo_a, one per group
+        self.journal = None      # an extend call's overwritten ring slots, for rollback
         self.compressor = self.indexer = None
         if self.is_backbone and layer_id in args.kv_source_layers:
-            self.compressor = Compressor(args, self.ratio)
-            self.compressor.invariant = kernels.is_invariant(ctx.opts)
+            self.compressor = Compressor(self.ratio, ctx)
             register_cache(self, "compress_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                                     args.head_dim), "fp4_e4m3", ctx)
         if self.is_backbone and layer_id in args.index_source_layers:
             self.indexer = Indexer(layer_id, ctx)
 
-    def clear_cache(self):
-        self._inv_wo_a = None
-
     def rollback(self, keep_until: int) -> None:
         """Undo the ring writes of an extend call for positions > keep_until."""
-        journal = getattr(self, "journal", None)
-        if journal is None:
+        if self.journal is None:
             return
-        start, s, ring = journal
+        start, s, ring = self.journal
         b = ring.shape[0]
         for pos in range(max(start, keep_until + 1), start + s):
             self.kv_cache[:b, pos % self.window] = ring[:, pos % self.window]
@@ -98,26 +92,20 @@ class Attention(nn.Module):
     def project_q(self, x: torch.Tensor, positions: slice) -> Tuple[torch.Tensor, torch.Tensor]:
         qr = self.q_norm(self.wq_a(x))                                          # [B, S, q_lora]
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, hd]
-        apply_rotary_(q[..., -self.rope_dim:], self.freqs()[positions])
+        apply_rotary_(q[..., -self.rope_dim:], self.freqs()[positions], self.nx)
         return q, qr
 
     def project_kv(self, x: torch.Tensor, positions) -> torch.Tensor:
         kv = self.kv_norm(self.wkv(x))                                          # [B, S, hd]
-        apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions])
-        return kv if self.ctx.opts.golden else kernels.fp8_qdq_(self.ctx.opts, kv)
+        apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions], self.nx)
+        return self.nx.fp8_qdq_(kv)                                            # the cache's rounding
 
     def output(self, o: torch.Tensor, positions) -> torch.Tensor:
         b, s = o.shape[:2]
-        apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], inverse=True)
+        apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], self.nx, inverse=True)
         o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
-        wo_a = self.wo_a.weight.to(o.dtype).view(self.n_local_groups, self.o_lora_rank, -1)   # fp32 if golden
-        if kernels.is_invariant(self.ctx.opts):
-            if self._inv_wo_a is None:
-                self._inv_wo_a = [kernels.invariant.PreparedWeight.of(w) for w in wo_a]
-            o = torch.stack([kernels.invariant.linear(o[:, :, g], None, prepared=p)
-                             for g, p in enumerate(self._inv_wo_a)], 2)
-        else:
-            o = torch.einsum("bsgd,grd->bsgr", o, wo_a)                         # [B, S, G_l, o_lora]
+        o = self.nx.grouped_linear(o, self.wo_a.weight, self.n_local_groups,
+                                   self.wo_a.derived)                          # [B, S, G_l, o_lora]
         return self.wo_b(o.flatten(2))                                          # [B, S, D]
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -156,8 +144,7 @@ class Attention(nn.Module):
             compressed = self.ctx.shared.compress_kv[:b, :end // self.ratio]
             kv_all = torch.cat([kv_win, compressed], dim=1)                     # [B, n_win + T, hd]
             idx = torch.cat([idx_win, topk], dim=-1)
-        o = kernels.sparse_attn(self.ctx.opts, q, kv_all, self.attn_sink, idx,
-                                self.softmax_scale)                            # [B, S, H_l, hd]
+        o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)   # [B, S, H_l, hd]
         return self.output(o, pos)
 
     def compressed_path(self, x, qr, start_pos: int, offset: int) -> torch.Tensor:
@@ -178,9 +165,8 @@ class Attention(nn.Module):
         if latent is not None:
             n = latent.shape[1]
             group_pos = _group_positions(start_pos, n, r, x.device)
-            apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos])
-            if not self.ctx.opts.golden:
-                kernels.fp4_qdq_e4m3_(self.ctx.opts, latent)
+            apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos], self.nx)
+            self.nx.fp4_qdq_e4m3_(latent)                                      # the cache's rounding
             first = start_pos // r
             self.compress_cache[:b, first:first + n] = latent
         return topk

@@ -5,10 +5,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import kernels
 from .attention import Attention
 from .engram import Engram
 from .hyper import hc_mixes, hc_post, hc_pre
+from .kernels import Derived
 from .layers import RMSNorm
 from .moe import MoE
 from .state import ModelContext
@@ -28,11 +28,11 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
         super().__init__()
         a = ctx.args
-        self.layer_id, self.ctx = layer_id, ctx
+        self.layer_id, self.ctx, self.nx = layer_id, ctx, ctx.numerics
         backbone = layer_id < a.n_layers
-        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attn_norm = RMSNorm(a.dim, a.norm_eps, ctx)
         self.attn = attn if attn is not None else Attention(layer_id, ctx)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, ctx)
         if backbone:
             self.ffn = MoE(ctx, a.n_routed_experts, a.n_activated_experts, with_bias_vl=a.vision_n_layers > 0)
         else:  # DSpark stages: their own expert count and top-k; bias_vl is stored but drafts are text
@@ -42,40 +42,27 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_fn", empty_param((n_mix, width)))
             self.register_parameter(f"hc_{site}_base", empty_param((n_mix,)))
             self.register_parameter(f"hc_{site}_scale", empty_param((3,)))
-        self._inv_hc = {}
+        self.derived = Derived()     # what the numerics lay out from hc_attn_fn / hc_ffn_fn
         self.engram = None
         if backbone and layer_id in a.engram_layer_ids:
-            self.engram = Engram(a, a.engram_layer_ids.index(layer_id), ctx.par, ctx.opts.engram_on,
-                                 pin=str(ctx.device).startswith("cuda"))
-            self.engram.invariant = ctx.opts.order == "invariant"
-
-    def clear_cache(self):
-        self._inv_hc = {}    # the invariant order's layout of hc_attn_fn / hc_ffn_fn
+            self.engram = Engram(a.engram_layer_ids.index(layer_id), ctx)
 
     def mixes(self, x: torch.Tensor, site: str):
         a = self.ctx.args
-        weight = getattr(self, f"hc_{site}_fn")
-        prepared = None
-        if self.ctx.opts.order == "invariant":
-            if site not in self._inv_hc:
-                self._inv_hc[site] = kernels.invariant.PreparedWeight.of(weight)
-            prepared = self._inv_hc[site]
-        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
-        fn = lambda u: hc_mixes(u, weight, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
-                                self.ctx.opts, prepared)
-        return self.ctx.per_position(fn, x)
+        fn, scale, base = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
+        mix = lambda u: hc_mixes(u, fn, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
+                                 self.nx, self.derived)
+        return self.ctx.per_position(mix, x)
 
     def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
                 image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
         """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
-        residual = x
+        nx, residual = self.nx, x
         pre_a, post_a, comb_a = self.mixes(x, "attn")
-        opts = self.ctx.opts
-        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, opts)), start_pos, **attn_kwargs)   # [B, S, D]
-        x = hc_post(y, residual, post_a, comb_a, opts)                                      # [B, S, hc, D]
+        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, nx)), start_pos, **attn_kwargs)   # [B, S, D]
+        x = hc_post(y, residual, post_a, comb_a, nx)                                      # [B, S, hc, D]
         residual = x
         pre_f, post_f, comb_f = self.mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, opts)), image_mask)
-        x = hc_post(y, residual, post_f, comb_f, opts)
+        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, nx)), image_mask)
+        x = hc_post(y, residual, post_f, comb_f, nx)
         return x, pre_f
-

@@ -4,25 +4,25 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import kernels
-from .config import ModelArgs
 from .layers import Linear, RMSNorm
+from .state import ModelContext
 
 
 class Compressor(nn.Module):
     """Ratio 2: fp32 projections, per-channel softmax pooling over disjoint token pairs, carried tail.
     Ratio 1: a bf16 projection per token. Returns the latent *before* RoPE (the indexer needs it)."""
 
-    def __init__(self, args: ModelArgs, ratio: int):
+    def __init__(self, ratio: int, ctx: ModelContext):
         super().__init__()
-        self.ratio, self.head_dim = ratio, args.head_dim
+        args = ctx.args
+        self.ratio, self.head_dim, self.ctx, self.nx = ratio, args.head_dim, ctx, ctx.numerics
         if ratio not in (1, 2):
             raise ValueError(f"compress ratio {ratio} is not supported (V4.1 uses 1 and 2)")
         kind = "fp32" if ratio == 2 else "bf16"
-        self.wkv = Linear(args.dim, args.head_dim, kind)
-        self.wgate = Linear(args.dim, args.head_dim, kind) if ratio == 2 else None
-        self.norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.invariant = False   # set by the attention layer: invariant softmax and sums
+        self.wkv = Linear(args.dim, args.head_dim, kind, ctx)
+        self.wgate = Linear(args.dim, args.head_dim, kind, ctx) if ratio == 2 else None
+        self.norm = RMSNorm(args.head_dim, args.norm_eps, ctx)
+        self.journal = None      # an extend call's tail and projections, for rollback
         if ratio == 2:
             # Tail of an incomplete group, carried across calls: [max_batch, ratio, head_dim] fp32.
             shape = (args.max_batch_size, ratio, args.head_dim)
@@ -35,11 +35,8 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.norm(self.wkv(x))                            # [B, S, hd]
         xf = x.float()
-        if start_pos > 0 and s > 1:                                  # extend: a decode step's GEMM shape
-            kv = torch.cat([self.wkv(xf[:, i:i + 1]) for i in range(s)], dim=1)
-            score = torch.cat([self.wgate(xf[:, i:i + 1]) for i in range(s)], dim=1)
-        else:
-            kv, score = self.wkv(xf), self.wgate(xf)                 # [B, S, hd] fp32
+        kv = self.ctx.per_position(self.wkv, xf)                     # [B, S, hd] fp32 (extend: a decode
+        score = self.ctx.per_position(self.wgate, xf)                # step's GEMM shape per position)
         if start_pos == 0:
             n = s // 2
             if s % 2:
@@ -66,10 +63,7 @@ class Compressor(nn.Module):
 
     def _pool(self, kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
         """Per-channel softmax pooling over the group's tokens (`dim`)."""
-        if self.invariant:
-            inv = kernels.invariant
-            return inv.tree_sum(kv * inv.softmax(score, dim), dim)
-        return (kv * score.softmax(dim=dim)).sum(dim=dim)
+        return self.nx.sum(kv * self.nx.softmax(score, dim), dim)
 
     def _store(self, pos: int, kv: torch.Tensor, score: torch.Tensor) -> None:
         b = kv.shape[0]
@@ -78,10 +72,9 @@ class Compressor(nn.Module):
 
     def rollback(self, keep_until: int) -> None:
         """After an extend call: the tail as if only positions <= keep_until had been processed."""
-        journal = getattr(self, "journal", None)
-        if self.ratio == 1 or journal is None:
+        if self.ratio == 1 or self.journal is None:
             return
-        start, kv_state, score_state, kv, score = journal
+        start, kv_state, score_state, kv, score = self.journal
         b = kv_state.shape[0]
         self.kv_state[:b], self.score_state[:b] = kv_state, score_state
         for i in range(max(0, min(kv.shape[1], keep_until - start + 1))):

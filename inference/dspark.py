@@ -4,8 +4,6 @@ head that chains the drafts and a confidence head (docs/architecture.md §11.1-1
 import torch
 import torch.nn as nn
 
-from . import kernels
-
 from .attention import Attention
 from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
@@ -35,8 +33,7 @@ class DSparkAttention(Attention):
         n_ring = min(self.window, start_pos + m)
         idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
         idx = idx.to(x.device).expand(b, blk, -1)
-        o = kernels.sparse_attn(self.ctx.opts, q, kv_all, self.attn_sink, idx,
-                                self.softmax_scale)                              # [B, blk, H_l, hd]
+        o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, blk, H_l, hd]
         return self.output(o, pos)
 
 
@@ -46,14 +43,14 @@ class MarkovHead(nn.Module):
     def __init__(self, ctx: ModelContext):
         super().__init__()
         a = ctx.args
-        self.embed = ParallelEmbedding(a.vocab_size, a.dspark_markov_rank, ctx.par)
-        self.head = ParallelHead(a.vocab_size, a.dspark_markov_rank, ctx.par)
+        self.embed = ParallelEmbedding(a.vocab_size, a.dspark_markov_rank, ctx)
+        self.head = ParallelHead(a.vocab_size, a.dspark_markov_rank, ctx)
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, ctx: ModelContext):
         super().__init__()
-        self.proj = Linear(ctx.args.dim + ctx.args.dspark_markov_rank, 1, "fp32")
+        self.proj = Linear(ctx.args.dim + ctx.args.dspark_markov_rank, 1, "fp32", ctx)
 
 
 class DSparkStage(Block):
@@ -62,10 +59,10 @@ class DSparkStage(Block):
         layer_id = a.n_layers + stage
         super().__init__(layer_id, ctx, attn=DSparkAttention(layer_id, ctx))
         if stage == 0:
-            self.main_proj = Linear(len(a.dspark_target_layer_ids) * a.dim, a.dim, a.dtype)
-            self.main_norm = RMSNorm(a.dim, a.norm_eps)
+            self.main_proj = Linear(len(a.dspark_target_layer_ids) * a.dim, a.dim, a.dtype, ctx)
+            self.main_norm = RMSNorm(a.dim, a.norm_eps, ctx)
         if stage == a.n_mtp_layers - 1:
-            self.norm = RMSNorm(a.dim, a.norm_eps)
+            self.norm = RMSNorm(a.dim, a.norm_eps, ctx)
             self.markov_head = MarkovHead(ctx)
             self.confidence_head = ConfidenceHead(ctx)
 
@@ -107,7 +104,7 @@ class DSpark(nn.ModuleList):
         a = self.ctx.args
         last = self[-1]
         _, head = self._shared
-        hidden = hc_pre(x, pre, self.ctx.opts)                                                  # [B, blk, D]
+        hidden = hc_pre(x, pre, self.ctx.numerics)                              # [B, blk, D]
         logits = head(last.norm(hidden), all_positions=True)                    # [B, blk, V]
         b, blk = hidden.shape[:2]
         out = torch.zeros(b, blk + 1, dtype=torch.long, device=x.device)
@@ -116,8 +113,7 @@ class DSpark(nn.ModuleList):
         for i in range(blk):
             e = last.markov_head.embed(out[:, i])                                # [B, rank] bf16
             logits[:, i] += last.markov_head.head(e, all_positions=True)
-            out[:, i + 1] = sample(logits[:, i], a.temperature,
-                                   invariant=self.ctx.opts.order == "invariant")
+            out[:, i + 1] = sample(logits[:, i], a.temperature, self.ctx.numerics)
             embs.append(e)
         feats = torch.cat([hidden, torch.stack(embs, dim=1)], dim=-1).float()    # [B, blk, D + rank]
         confidence = last.confidence_head.proj(feats).squeeze(-1)               # [B, blk]

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 from tokenizers import Regex, Tokenizer, normalizers
 
-from . import kernels
 from .config import ModelArgs
 from .layers import Linear
 from .parallel import ParallelContext
 from .quant import ue8m0_to_float
+from .state import ModelContext
 
 DEAD = -1  # compressed id of a position that must not be hashed (image tokens, unwritten history)
 
@@ -238,12 +238,13 @@ class ParallelEngramEmbedding(nn.Module):
     `placement`: device (the tables live with the model), host (CPU memory, pinned when `pin`) or disk (left
     on the meta device here; the loader maps them from the shard file with `attach`). Off the device, the
     rows a call needs are gathered where the table lives and only those are copied to the model's device,
-    then dequantized there exactly as on the device path. `bytes_moved` counts the copied bytes."""
+    then dequantized there exactly as on the device path, into `act_dtype` (fp32 rows in golden numerics).
+    `bytes_moved` counts the copied bytes."""
 
     def __init__(self, rows: int, dim: int, par: ParallelContext, placement: str = "device",
-                 pin: bool = False):
+                 pin: bool = False, act_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        self.par, self.placement, self.pin = par, placement, pin
+        self.par, self.placement, self.pin, self.act_dtype = par, placement, pin, act_dtype
         self.part = -(-rows // par.world_size)
         self.start = par.rank * self.part
         where = {"device": {}, "host": {"device": "cpu", "pin_memory": pin}, "disk": {"device": "meta"}}
@@ -251,7 +252,6 @@ class ParallelEngramEmbedding(nn.Module):
                                    requires_grad=False)
         self.scale = nn.Parameter(torch.empty(self.part, dim // 32, dtype=torch.float8_e8m0fnu,
                                               **where[placement]), requires_grad=False)
-        self.golden = False   # set by the Transformer: keep the dequantized rows in fp32
         self.bytes_moved = 0
 
     def attach(self, name: str, tensor: torch.Tensor) -> None:
@@ -263,9 +263,9 @@ class ParallelEngramEmbedding(nn.Module):
         setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
     def dequantize(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """E4M3 rows [..., dim] and their UE8M0 scales [..., dim/32] -> bf16 (fp32 if golden) values."""
+        """E4M3 rows [..., dim] and their UE8M0 scales [..., dim/32] -> values in the activation dtype."""
         y = w.float() * ue8m0_to_float(s).repeat_interleave(32, dim=-1)
-        return y.to(torch.float32 if self.golden else torch.bfloat16)
+        return y.to(self.act_dtype)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         local = rows - self.start
@@ -284,8 +284,7 @@ class ParallelEngramEmbedding(nn.Module):
             torch.index_select(self.scale, 0, idx, out=s)
             self.bytes_moved += w.numel() + s.numel()
             w, s = w.to(rows.device, non_blocking=True), s.to(rows.device, non_blocking=True)
-            y = torch.zeros(*rows.shape, w.shape[1], dtype=torch.float32 if self.golden else torch.bfloat16,
-                            device=rows.device)
+            y = torch.zeros(*rows.shape, w.shape[1], dtype=self.act_dtype, device=rows.device)
             y[inside] = self.dequantize(w, s)                                # [..., dim]
         if self.par.world_size > 1:
             y = self.par.all_reduce(y)
@@ -296,15 +295,15 @@ class Engram(nn.Module):
     """Gated add of one hashed n-gram value into every hc stream, before the block
     (docs/architecture.md §9.5)."""
 
-    def __init__(self, args: ModelArgs, engram_index: int, par: ParallelContext, placement: str = "device",
-                 pin: bool = False):
+    def __init__(self, engram_index: int, ctx: ModelContext):
         super().__init__()
-        self.dim, self.hc, self.eps = args.dim, args.hc_mult, args.norm_eps
-        self.invariant = False   # set by the Block: invariant norms, sums and sigmoid
+        args = ctx.args
+        self.dim, self.hc, self.eps, self.nx = args.dim, args.hc_mult, args.norm_eps, ctx.numerics
         n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
         self.embed = ParallelEngramEmbedding(args.engram_num_embeddings[engram_index], args.engram_head_dim,
-                                             par, placement, pin)
-        self.wkv = Linear(n_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, args.dtype)
+                                             ctx.par, ctx.opts.engram_on, str(ctx.device).startswith("cuda"),
+                                             ctx.act_dtype)
+        self.wkv = Linear(n_cols * args.engram_head_dim, (args.hc_mult + 1) * args.dim, args.dtype, ctx)
         self.q_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16),
                                      requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(args.hc_mult, args.dim, dtype=torch.bfloat16),
@@ -318,18 +317,10 @@ class Engram(nn.Module):
         key = kv[..., :self.hc * self.dim].unflatten(-1, (self.hc, self.dim)).float()   # [B, S, hc, D]
         value = kv[..., self.hc * self.dim:].float()                        # [B, S, D]
         w = self.q_weight.float() * self.k_weight.float()                   # [hc, D]
-        xf = x.float()
-        if self.invariant:
-            inv = kernels.invariant
-            rstd = inv.rsqrt(inv.tree_mean(xf * xf) + self.eps) * \
-                inv.rsqrt(inv.tree_mean(key * key) + self.eps)
-            dot = inv.tree_sum(xf * w * key) * rstd * self.dim ** -0.5
-            gate = inv.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        else:
-            rstd = torch.rsqrt(xf.square().mean(-1) + self.eps) * \
-                torch.rsqrt(key.square().mean(-1) + self.eps)
-            dot = (xf * w * key).sum(-1) * rstd * self.dim ** -0.5           # [B, S, hc]
-            gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        xf, nx = x.float(), self.nx
+        rstd = nx.rsqrt(nx.mean(xf * xf) + self.eps) * nx.rsqrt(nx.mean(key * key) + self.eps)
+        dot = nx.sum(xf * w * key) * rstd * self.dim ** -0.5                  # [B, S, hc]
+        gate = nx.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if mask is not None:
             gate = gate * mask.unsqueeze(-1)
         return (xf + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

@@ -4,7 +4,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from . import kernels
 from .config import ModelArgs
 from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm
@@ -41,7 +40,7 @@ class Indexer(nn.Module):
     def __init__(self, layer_id: int, ctx: ModelContext):
         super().__init__()
         args: ModelArgs = ctx.args
-        self.ctx, self.layer_id = ctx, layer_id
+        self.ctx, self.nx, self.layer_id = ctx, ctx.numerics, layer_id
         self.ratio = args.compress_ratios[layer_id]
         self.n_heads, self.head_dim, self.rope_dim = (args.index_n_heads, args.index_head_dim,
                                                       args.rope_head_dim)
@@ -51,52 +50,46 @@ class Indexer(nn.Module):
         self.is_candidate_source = layer_id == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer_id
         self.wq_b = ColumnParallelLinear(args.q_lora_rank, args.index_n_heads * args.index_head_dim,
-                                         args.dtype, ctx.par)
-        self.weights_proj = ColumnParallelLinear(args.dim, args.index_n_heads, "bf16", ctx.par)
+                                         args.dtype, ctx)
+        self.weights_proj = ColumnParallelLinear(args.dim, args.index_n_heads, "bf16", ctx)
         # Global head count, even under TP: 1/sqrt(head_dim) * 1/sqrt(n_heads) (= 1/64 released, exact).
         self.weight_scale = args.index_head_dim ** -0.5 * args.index_n_heads ** -0.5
         if self.owns_keys:
-            self.wk = Linear(args.head_dim, args.index_head_dim, "bf16")
-            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+            self.wk = Linear(args.head_dim, args.index_head_dim, "bf16", ctx)
+            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps, ctx)
             register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                              args.index_head_dim), "fp4_ue8m0", ctx)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
                 offset: int) -> torch.Tensor:
         b, s, _ = x.shape
-        end, r, st = start_pos + s, self.ratio, self.ctx.shared
+        end, r, st, nx = start_pos + s, self.ratio, self.ctx.shared, self.nx
         freqs = self.ctx.compress_freqs
         if self.owns_keys and latent is not None:
             n = latent.shape[1]
             first = start_pos // r
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
-            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)])
-            if not self.ctx.opts.golden:
-                kernels.fp4_qdq_e8m0_(self.ctx.opts, k)
+            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)], nx)
+            nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
             self.k_cache[:b, first:first + n] = k
             st.index_k = self.k_cache
         elif self.owns_keys and self.ctx.opts.fix_index_k_publish:
             st.index_k = self.k_cache
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
-        apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end])
-        if not self.ctx.opts.golden:
-            kernels.fp4_qdq_e8m0_(self.ctx.opts, q)
+        apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end], nx)
+        nx.fp4_qdq_e8m0_(q)
         t = end // r
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
-        invariant = kernels.is_invariant(self.ctx.opts)
-        par = self.ctx.par if invariant else None                    # invariant: the head sum spans ranks
-        score = kernels.index_scores(self.ctx.opts, q, keys, w, par)  # [B, S, T] bf16
+        score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
         if (start_pos > 0 and s > 1 and self.owns_keys and not self.ctx.opts.fix_index_k_publish
                 and st.index_k_at_call_start is not None and r > 1):
             # Extend in reference numerics: a row whose group is still incomplete would, decoded alone, not
             # have published its keys and would score against the stale published cache
             # (docs/numerics.md §14.1).
-            stale_score = kernels.index_scores(self.ctx.opts, q, st.index_k_at_call_start[:b, :t], w, par)
+            stale_score = nx.index_scores(q, st.index_k_at_call_start[:b, :t], w, self.ctx.par)
             incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        if not invariant:
-            score = self.ctx.par.all_reduce(score)
         if start_pos == 0:
             lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
             score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))

@@ -5,13 +5,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from . import kernels
 from .block import Block, empty_param
 from .dspark import DSpark
 from .config import ModelArgs, RuntimeOptions
-from .engram import EngramHasher, ParallelEngramEmbedding, build_compressed_token_map
+from .engram import EngramHasher, build_compressed_token_map
 from .hyper import hc_pre
-from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
+from .kernels import drop_derived
+from .layers import ParallelEmbedding, ParallelHead, RMSNorm
 from .parallel import ParallelContext
 from .sampling import sample
 from .state import ModelContext
@@ -21,20 +21,21 @@ from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddi
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, par: Optional[ParallelContext] = None,
                  opts: Optional[RuntimeOptions] = None, device: str = "cpu", tokenizer=None,
-                 build_dspark: bool = True, language_model_only: bool = False):
+                 build_dspark: bool = True, language_model_only: bool = False, streamed: bool = False):
+        """`opts` pick the numerics (made here, once: inference.kernels.numerics_for; e.g. tilelang on CPU
+        is one line, early); `streamed`: the blocks' weights will stream from disk (engine/offload.py)."""
         super().__init__()
         par = par or ParallelContext.single()
-        if torch.device(device).type != "meta":                     # a meta build only plans memory
-            kernels.check_backend(opts or RuntimeOptions(), device)  # e.g. tilelang on CPU: one line, early
         args.validate(par.world_size)
         self.args = args
         self.language_model_only = language_model_only and args.vision_n_layers > 0
         with torch.device(device):
-            self.ctx = ModelContext(args, par, opts or RuntimeOptions(), device=device)
-            self.embed = ParallelEmbedding(args.vocab_size, args.dim, par)
+            self.ctx = ModelContext(args, par, opts or RuntimeOptions(), device=device, streamed=streamed)
+            self.nx = self.ctx.numerics
+            self.embed = ParallelEmbedding(args.vocab_size, args.dim, self.ctx)
             self.layers = nn.ModuleList([Block(i, self.ctx) for i in range(args.n_layers)])
-            self.norm = RMSNorm(args.dim, args.norm_eps)
-            self.head = ParallelHead(args.vocab_size, args.dim, par)
+            self.norm = RMSNorm(args.dim, args.norm_eps, self.ctx)
+            self.head = ParallelHead(args.vocab_size, args.dim, self.ctx)
             self.vision = self.aligner = None
             if args.vision_n_layers > 0 and not language_model_only:
                 self.vision = VisionTransformer(args)
@@ -44,13 +45,7 @@ class Transformer(nn.Module):
             self.mtp = None
             if build_dspark and args.has_dspark:
                 self.mtp = DSpark(self.ctx, self.embed, self.head)
-        # Linear layers and embedding tables hold no ModelContext: golden numerics reach them as a flag, and
-        # Linear layers get the options that pick their GEMM kernel.
-        for m in self.modules():
-            if isinstance(m, (Linear, ParallelEmbedding, ParallelEngramEmbedding)):
-                m.golden = self.ctx.opts.golden
-            if isinstance(m, (Linear, RMSNorm, ParallelHead)):
-                m.opts = self.ctx.opts
+        self.weight_stream = None          # the block streamer, when the weights stream from disk
         self.engram_hasher: Optional[EngramHasher] = None
         if tokenizer is not None and args.engram_layer_ids:
             self.set_tokenizer(tokenizer)
@@ -60,6 +55,15 @@ class Transformer(nn.Module):
         (docs/architecture.md §9.1)."""
         token_map, size = build_compressed_token_map(tokenizer, self.args.engram_compressed_vocab_size)
         self.engram_hasher = EngramHasher(self.args, token_map, size).to(self.ctx.device)
+
+    def attach_stream(self, stream) -> None:
+        """The block streamer (engine/offload.py) that feeds this model's blocks from disk."""
+        self.weight_stream = stream
+
+    def drop_derived(self) -> None:
+        """Forget every layout the numerics derived from the weights (dequantised copies, invariant layouts):
+        after the weights changed (loaded, streamed), or to give the memory back."""
+        drop_derived(self)
 
     def reset(self) -> None:
         """Zero every cache and the shared state (interactive /clear). Hygiene only: results do not change."""
@@ -149,10 +153,7 @@ class Transformer(nn.Module):
                 if capture is not None:
                     capture.setdefault("engram_out", []).append(x)
             if i in a.dspark_target_layer_ids:
-                if kernels.is_invariant(self.ctx.opts):
-                    main_hiddens.append(kernels.invariant.tree_mean(x.float(), dim=2).to(x.dtype))
-                else:
-                    main_hiddens.append(x.mean(dim=2))                              # the block *input*
+                main_hiddens.append(self.nx.mean(x, dim=2))                         # the block *input*
             x, pre = layer(x, start_pos, pre, image_mask)
             if capture is not None:
                 capture.setdefault("block_out", []).append(x)
@@ -161,14 +162,12 @@ class Transformer(nn.Module):
                     capture[f"indexer_idxs.layer{i}"] = [self.ctx.shared.topk_idxs]
                 if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
                     capture["candidates"] = [self.ctx.shared.candidates]
-        self.ctx.decode_shapes = False
-        x = self.norm(hc_pre(x, pre, self.ctx.opts))
+        x = self.norm(hc_pre(x, pre, self.nx))
         if capture is not None:
             capture["final_norm"] = [x]
-        # Extend (start_pos > 0): per-position GEMVs, so every verified position's fp32 logits are
-        # bit-identical to decoding it alone.
-        logits = self.head(x, all_positions=all_logits, per_position=start_pos > 0)     # [B, V] / [B, S, V]
-        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature,
-                          invariant=kernels.is_invariant(self.ctx.opts))
+        # Extend: per-position GEMVs, so every verified position's fp32 logits equal decoding it alone.
+        logits = self.head(x, all_positions=all_logits)                             # [B, V] / [B, S, V]
+        self.ctx.decode_shapes = False
+        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature, self.nx)
         main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
         return next_ids, logits, main_hidden

@@ -1,8 +1,8 @@
 """Number formats: E4M3 / UE8M0 / E2M1 constants, scale conversions, FP4 unpacking and weight dequantization.
 
 The kernels that use them (activation quantization, the cache round trips, the block-scaled GEMM) live in
-inference/kernels/: reference.py (CPU-exact), fast.py (loop-free) and tilelang_ops.py (GPU), reached through
-the one dispatch in inference/kernels/__init__.py.
+inference/kernels/: reference.py (CPU-exact), fast.py (loop-free), invariant.py and tilelang_ops.py (GPU),
+each behind its order's class of the one numerics interface (inference/kernels/numerics.py).
 """
 import torch
 

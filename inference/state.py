@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from .config import ModelArgs, RuntimeOptions
+from .kernels import Numerics, numerics_for
 from .parallel import ParallelContext
 from .rope import precompute_freqs_cis
 
@@ -28,11 +29,15 @@ class SharedAttentionState:
 
 @dataclass
 class ModelContext:
-    """Everything a layer needs besides its own weights: config, parallelism, options, RoPE, shared state."""
+    """Everything a layer needs besides its own weights: config, parallelism, options, the numerics, RoPE,
+    shared state. `numerics` is made from the options and the device when not given (numerics_for)."""
     args: ModelArgs
     par: ParallelContext = field(default_factory=ParallelContext.single)
     opts: RuntimeOptions = field(default_factory=RuntimeOptions)
     device: str = "cpu"
+    numerics: Optional[Numerics] = None
+    # Weights streamed from disk (--offload disk): what is derived from a routed expert is never kept.
+    streamed: bool = False
     window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
@@ -42,27 +47,34 @@ class ModelContext:
     decode_shapes: bool = False
 
     def __post_init__(self):
-        a = self.args
-        inv = self.opts.order == "invariant"
+        a, nx = self.args, self.numerics
+        if nx is None:
+            nx = self.numerics = numerics_for(self.opts, self.device)
         if self.window_freqs is None:
-            self.window_freqs = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
-                                                     device=self.device, invariant=inv)
+            self.window_freqs = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta, nx=nx,
+                                                     device=self.device)
         if self.compress_freqs is None:
             self.compress_freqs = precompute_freqs_cis(
                 a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
-                a.beta_fast, a.beta_slow, device=self.device, invariant=inv)
+                a.beta_fast, a.beta_slow, nx=nx, device=self.device)
 
     @property
     def act_dtype(self) -> torch.dtype:
         """Activations and caches: bf16 as in the official code, fp32 in golden numerics."""
-        return torch.float32 if self.opts.golden else torch.bfloat16
+        return self.numerics.act_dtype
+
+    @property
+    def keep_expert_layouts(self) -> bool:
+        """Whether a routed expert keeps what is derived from its weights between calls: on the CPU, unless
+        streamed from disk (off the CPU a step derives only what it selects, see the numerics)."""
+        return torch.device(self.device).type == "cpu" and not self.streamed
 
     def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
         """fn(x, *args), in an extend call evaluated one position (index along `dim`) at a time; tensor args
         are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
         speculative loop's): the gate's token axis is then the position axis."""
-        if not self.decode_shapes or x.shape[dim] == 1 or self.opts.order == "invariant":
-            return fn(x, *args)          # invariant numerics: every row on its own by construction
+        if not self.decode_shapes or x.shape[dim] == 1 or self.numerics.rows_independent:
+            return fn(x, *args)
         outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
                 for i in range(x.shape[dim])]
         if isinstance(outs[0], tuple):

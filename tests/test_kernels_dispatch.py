@@ -1,5 +1,5 @@
-"""The kernel dispatch (inference/kernels): the route a call takes, the exact route being the reference
-kernels, the fast route's distance from it within bounds derived from the arithmetic, the fast route end to
+"""The numerics (inference/kernels): the order a model gets, the exact order being the reference kernels,
+the fast route's distance from it within bounds derived from the arithmetic, the fast route end to
 end on the fixture, and a fast decode step free of Python loops over head_dim, K blocks, experts or tokens.
 
 Bounds. u = 2^-24 is fp32's unit roundoff; a bf16 value's spacing is at most 2^-7 of its magnitude, so
@@ -26,12 +26,15 @@ U = 2.0 ** -24
 CPU_LINE = ("--kernel-backend tilelang needs CUDA tensors on a GPU with compute capability >= 9.0; "
             "these are on cpu")
 EXACT, FAST = RuntimeOptions(), RuntimeOptions.from_profile("fast")
+NX_EXACT, NX_FAST = kernels.numerics_for(EXACT, "cpu"), kernels.numerics_for(FAST, "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def random_linear(kind: str, n: int, k: int, gen: torch.Generator) -> Linear:
-    """A Linear of `kind` with random stored weights and scales around 2^-4."""
-    lin = Linear(k, n, kind)
+def random_linear(kind: str, n: int, k: int, gen: torch.Generator, opts=EXACT) -> Linear:
+    """A Linear of `kind` with random stored weights and scales around 2^-4, in a model of numerics `opts`."""
+    from inference.state import ModelContext
+    ctx = ModelContext(ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_seq_len=8), opts=opts)
+    lin = Linear(k, n, kind, ctx)
     with torch.no_grad():
         if kind == "fp8":
             lin.weight.copy_((torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn))
@@ -47,7 +50,9 @@ def random_linear(kind: str, n: int, k: int, gen: torch.Generator) -> Linear:
 
 def test_auto_picks_torch_on_cpu():
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
-    assert kernels.route(RuntimeOptions(), x) == "exact"
+    assert kernels.route(RuntimeOptions(), "cpu") == "exact"
+    assert type(NX_EXACT).__name__ == "Exact" and type(NX_FAST).__name__ == "Fast"
+    assert type(kernels.numerics_for(RuntimeOptions.from_profile("invariant"), "cpu")).__name__ == "Invariant"
     assert kernels.route(RuntimeOptions(kernel_backend="torch"), x) == "exact"
     assert kernels.route(FAST, x) == "fast" and FAST.order == "fast"
     assert kernels.route(RuntimeOptions(order="fast"), x) == "fast"
@@ -61,7 +66,8 @@ def test_auto_picks_torch_on_cpu():
             "q = torch.randn(1, 1, 2, 64).bfloat16(); kv = torch.randn(1, 8, 64).bfloat16()\n"
             "idx = torch.arange(8, dtype=torch.int32).view(1, 1, 8)\n"
             "for o in (RuntimeOptions(), RuntimeOptions(order='fast')):\n"
-            "    kernels.sparse_attn(o, q, kv, torch.zeros(2), idx, 0.125); kernels.fp8_qdq_(o, kv.clone())\n"
+            "    nx = kernels.numerics_for(o, 'cpu')\n"
+            "    nx.sparse_attn(q, kv, torch.zeros(2), idx, 0.125); nx.fp8_qdq_(kv.clone())\n"
             "print(sorted(m for m in sys.modules if 'tilelang' in m))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -70,7 +76,7 @@ def test_auto_picks_torch_on_cpu():
 def test_tilelang_on_cpu_is_one_clear_line(tmp_path):
     opts = RuntimeOptions(kernel_backend="tilelang")
     with pytest.raises(kernels.BackendError) as e:
-        kernels.route(opts, torch.zeros(4))
+        kernels.numerics_for(opts, "cpu")
     assert str(e.value) == CPU_LINE and isinstance(e.value, ConfigError)
     with pytest.raises(kernels.BackendError, match="these are on cpu"):
         fixture_model(opts)                                          # refused when the model is built
@@ -97,23 +103,24 @@ def test_exact_route_is_the_reference_kernels():
     q = torch.randn(2, 3, 4, 64, generator=gen).bfloat16()
     kv = torch.randn(2, 150, 64, generator=gen).bfloat16()
     sink, idx = torch.randn(4, generator=gen), torch.randint(-1, 150, (2, 3, 130), generator=gen).int()
-    assert torch.equal(kernels.sparse_attn(EXACT, q, kv, sink, idx, 0.125),
+    assert torch.equal(NX_EXACT.sparse_attn(q, kv, sink, idx, 0.125),
                        reference.sparse_attn(q, kv, sink, idx, 0.125))
     keys, w = torch.randn(2, 40, 64, generator=gen).bfloat16(), torch.randn(2, 3, 4, generator=gen).bfloat16()
-    assert torch.equal(kernels.index_scores(EXACT, q, keys, w), reference.index_scores(q, keys, w))
+    assert torch.equal(NX_EXACT.index_scores(q, keys, w, ParallelContext.single()),
+                       reference.index_scores(q, keys, w))
 
 
 def test_quantizers_and_sinkhorn_are_shared_by_both_torch_routes():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 7, 128, generator=gen).bfloat16() * 3
     for name in ("fp8_qdq_", "fp4_qdq_e8m0_", "fp4_qdq_e4m3_"):
-        a, b = getattr(kernels, name)(EXACT, x.clone()), getattr(kernels, name)(FAST, x.clone())
+        a, b = getattr(NX_EXACT, name)(x.clone()), getattr(NX_FAST, name)(x.clone())
         assert torch.equal(a, b) and torch.equal(a, getattr(reference, name)(x.clone())), name
     m = torch.randn(5, 24, generator=gen)
     args = (torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
-    for a, b in zip(kernels.hc_split_sinkhorn(FAST, m, *args), reference.hc_split_sinkhorn(m, *args)):
+    for a, b in zip(NX_FAST.hc_split_sinkhorn(m, *args), reference.hc_split_sinkhorn(m, *args)):
         assert torch.equal(a, b)
-    q, s = kernels.act_quant(FAST, x)
+    q, s = NX_FAST.act_quant(x)
     dequantized = (q.float().view(4, 7, 4, 32) * s[..., None]).flatten(-2)
     assert torch.equal(fast.quant_act(x, torch.float32), dequantized)
 
@@ -127,11 +134,11 @@ def test_fast_gemm_same_products_other_order(kind):
     2 (K - 1) u S (S = sum |products|), and rounding each to bf16 adds at most 2^-8 of its magnitude."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(7, 3, 512, generator=gen).bfloat16() * 2
-    lin = random_linear(kind, 200, 512, gen)
+    lin = random_linear(kind, 200, 512, gen, FAST)
     w = (dequant_fp8_weight if kind == "fp8" else dequant_fp4_weight)(lin.weight, lin.scale)
     assert torch.equal(fast.dequant_weight(lin.weight, lin.scale, kind, torch.bfloat16).float(), w)
     exact = reference.block_scaled_gemm(x, w)
-    got = kernels.quant_gemm(FAST, x, lin.weight, lin.scale, kind, lin.dequantized)
+    got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
     a = fast.quant_act(x, torch.float64)
     sums = a.abs() @ w.double().abs().T                             # S per output element
@@ -157,7 +164,7 @@ def test_fast_sparse_attention_within_bound():
     idx[1, 2] = -1                                                  # nothing to attend: zeros on both
     scale = d ** -0.5
     exact = reference.sparse_attn(q, kv, sink, idx, scale)
-    got = kernels.sparse_attn(FAST, q, kv, sink, idx, scale)
+    got = NX_FAST.sparse_attn(q, kv, sink, idx, scale)
     assert got.dtype == torch.bfloat16 and got[1, 2].abs().sum() == 0
     rows = kv[torch.arange(b).view(b, 1, 1), idx.long().clamp_min(0)].double()      # [B, M, T, D]
     s = torch.einsum("bmhd,bmtd->bmht", q.double(), rows) * scale
@@ -180,7 +187,7 @@ def test_fast_index_scores_within_bound():
     keys = torch.randn(2, 50, 64, generator=gen).bfloat16()
     w = (torch.randn(2, 3, 16, generator=gen) / 64).bfloat16()
     exact = reference.index_scores(q, keys, w)
-    got = kernels.index_scores(FAST, q, keys, w)
+    got = NX_FAST.index_scores(q, keys, w, ParallelContext.single())
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
     heads = torch.einsum("bshd,btd->bsht", q.double().abs(), keys.double().abs())   # S_h
     weighted = (heads * w.double().abs().unsqueeze(-1)).sum(2)
@@ -206,14 +213,15 @@ class SecondOfTwo(ParallelContext):
         return x
 
 
-def exact_arithmetic_moe(par: ParallelContext):
+def exact_arithmetic_moe(par: ParallelContext, opts: RuntimeOptions):
     """An MoE whose GEMMs are exact in any summation order: integer activations and FP4/FP8 weights with
     small integer values and scale 1 (every partial sum an exact fp32 value), and w2 with one non-zero per
     output row. Any difference between the routes is then in the routing, gathering or combination."""
     from inference.moe import MoE
     from inference.state import ModelContext
     args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
-    moe = MoE(ModelContext(args, par), args.n_routed_experts, args.n_activated_experts, with_bias_vl=False)
+    moe = MoE(ModelContext(args, par, opts), args.n_routed_experts, args.n_activated_experts,
+              with_bias_vl=False)
     gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
         moe.gate.weight.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
@@ -234,23 +242,15 @@ def exact_arithmetic_moe(par: ParallelContext):
     return moe
 
 
-def run_moe(moe, opts, x):
-    moe.ctx.opts = opts
-    for m in moe.modules():
-        if isinstance(m, Linear):
-            m.opts = opts
-    with torch.inference_mode():
-        return moe(x)
-
-
 @pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],
                          ids=["W1", "rank1of2"])
 def test_fast_moe_equals_the_expert_loop(par):
-    moe = exact_arithmetic_moe(par)
+    exact_moe, fast_moe = exact_arithmetic_moe(par, EXACT), exact_arithmetic_moe(par, FAST)   # same weights
     gen = torch.Generator().manual_seed(7)
     for shape in ((3, 1), (1, 5), (1, 40)):                          # decode batch, draft block, prefill
-        x = torch.randint(-8, 9, (*shape, moe.ctx.args.dim), generator=gen).bfloat16()
-        exact, got = run_moe(moe, EXACT, x), run_moe(moe, FAST, x)
+        x = torch.randint(-8, 9, (*shape, exact_moe.ctx.args.dim), generator=gen).bfloat16()
+        with torch.inference_mode():
+            exact, got = exact_moe(x), fast_moe(x)
         assert exact.abs().sum() > 0
         assert torch.equal(got, exact), shape
 
@@ -344,13 +344,14 @@ def test_cuda_routes_and_fast_kernels_within_bounds():
     assert kernels.route(RuntimeOptions(), x) == auto
     assert kernels.route(RuntimeOptions(kernel_backend="torch"), x) == "fast"
     torch_opts = RuntimeOptions(kernel_backend="torch")
+    nx = kernels.numerics_for(torch_opts, "cuda")
     gen = torch.Generator().manual_seed(2)
     xs = torch.randn(7, 3, 512, generator=gen).bfloat16() * 2
     lin = random_linear("fp8", 200, 512, gen)
     w = dequant_fp8_weight(lin.weight, lin.scale)
     exact = reference.block_scaled_gemm(xs, w)
     lin = lin.cuda()
-    got = kernels.quant_gemm(torch_opts, xs.cuda(), lin.weight, lin.scale, "fp8", lin.dequantized).cpu()
+    got = nx.linear(lin, xs.cuda()).cpu()
     sums = fast.quant_act(xs, torch.float64).abs() @ w.double().abs().T
     bound = 2 * 511 * U * sums * 1.01 + 2.0 ** -7 * exact.double().abs() * 1.01
     assert ((got.double() - exact.double()).abs() <= bound).all()
@@ -359,5 +360,5 @@ def test_cuda_routes_and_fast_kernels_within_bounds():
     idx = torch.randint(0, 300, (1, 1, 200), generator=gen).int()
     sink = torch.randn(8, generator=gen)
     exact = reference.sparse_attn(q, kv, sink, idx, 128 ** -0.5)
-    got = kernels.sparse_attn(torch_opts, q.cuda(), kv.cuda(), sink.cuda(), idx.cuda(), 128 ** -0.5).cpu()
+    got = nx.sparse_attn(q.cuda(), kv.cuda(), sink.cuda(), idx.cuda(), 128 ** -0.5).cpu()
     assert (got.float() - exact.float()).abs().max() <= 2.0 ** -5 * exact.float().abs().max()

@@ -9,6 +9,7 @@ engine and the CLIs use it, no model module does.
 """
 import ast
 import os
+import re
 
 import pytest
 
@@ -159,3 +160,80 @@ def test_lines_are_at_most_110_characters():
                     if len(line.rstrip("\n")) > 110:
                         long.append(f"{os.path.relpath(path, ROOT)}:{n}")
     assert not long, "lines over 110 characters: " + ", ".join(long[:20])
+
+
+# ---- the model modules read as their math: no numerics mode named in them ----
+
+MODES = ("invariant", "golden", "tilelang", "fast", "exact")
+MODEL_FILES = [os.path.join("inference", f"{m}.py") for m in (
+    "attention", "block", "compressor", "dspark", "engram", "hyper", "indexer", "kv_cache", "layers", "model",
+    "moe", "rope", "sampling", "state", "vision")]
+
+
+def _config_keys() -> set:
+    import dataclasses
+    from inference.config import ModelArgs
+    return {f.name for f in dataclasses.fields(ModelArgs)}
+
+
+CONFIG_KEYS = _config_keys()
+
+
+def modes_named(source: str, path: str = "<string>") -> list:
+    """Where a source names a numerics mode (an order or backend) in its code: identifiers, attributes,
+    arguments, keywords and string constants. Comments and docstrings may explain; code may not choose."""
+    tree = ast.parse(source, path)
+    owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, owners) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found = []
+
+    def check(word: str, node, kind: str):
+        if word in CONFIG_KEYS:                      # e.g. YaRN's beta_fast: the config's own name
+            return
+        parts = [p for p in word.lower().replace(".", "_").split("_") if p]
+        if any(p in MODES for p in parts):
+            found.append(f"{path}:{node.lineno}: {kind} {word!r}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            check(node.id, node, "name")
+        elif isinstance(node, ast.Attribute):
+            check(node.attr, node, "attribute")
+        elif isinstance(node, ast.arg):
+            check(node.arg, node, "argument")
+        elif isinstance(node, ast.keyword) and node.arg:
+            check(node.arg, node, "keyword")
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            check(node.name, node, "definition")
+        elif isinstance(node, ast.alias):
+            check(node.asname or node.name, node, "import")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            for w in MODES:
+                if re.search(rf"\b{w}\b", node.value.lower()):
+                    found.append(f"{path}:{node.lineno}: string {node.value[:40]!r}")
+    return found
+
+
+def test_model_modules_name_no_numerics_mode():
+    """Every choice of order or rounding points is made once, in inference/kernels (the Numerics a model's
+    context carries); a module calls nx.<op> and names none of them."""
+    found = []
+    for rel in MODEL_FILES:
+        path = os.path.join(ROOT, rel)
+        found += modes_named(open(path, encoding="utf-8").read(), rel)
+    assert not found, "model modules that name a numerics mode:\n" + "\n".join(found)
+
+
+def test_the_mode_check_can_fail():
+    made_up = ('"""A module whose docstring may say invariant, fast or golden."""\n'
+               "from . import kernels\n"
+               "def f(x, opts, golden=False):\n"
+               "    if kernels.is_invariant(opts):\n"
+               "        return kernels.invariant.tree_sum(x)\n"
+               "    return g(x, fast=True) if opts.order == 'exact' else x\n")
+    found = modes_named(made_up)
+    for what in ("argument 'golden'", "attribute 'is_invariant'", "attribute 'invariant'", "keyword 'fast'",
+                 "string 'exact'"):
+        assert any(what in f for f in found), (what, found)
+    assert not modes_named('"""Docstrings may say invariant."""\n# and comments: golden\nx = 1\n')

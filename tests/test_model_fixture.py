@@ -60,7 +60,7 @@ def test_layer_isolated(fx):
                 if layer == 3:
                     assert torch.equal(model.ctx.shared.candidates, r("candidates").bool()), \
                         f"step {k}: candidates"
-            normed = model.norm(hc_pre(r("block_out")[7], r("block_pre_mix")[7]))
+            normed = model.norm(hc_pre(r("block_out")[7], r("block_pre_mix")[7], model.nx))
             worst["final_norm"] = max(worst["final_norm"], rel(normed, r("final_norm")))
             worst["logits"] = max(worst["logits"],
                                   (model.head(normed) - ref["step_logits"][k]).abs().max().item())

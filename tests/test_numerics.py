@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from inference.attention import window_decode_idx, window_prefill_idx
+from inference.config import RuntimeOptions
+from inference.kernels import numerics_for
 from inference.indexer import select_candidate_blocks
 from inference.kernels.reference import (act_quant, block_scaled_gemm, fp4_qdq_e4m3_, fp4_qdq_e8m0_,
                                         fp8_qdq_)
@@ -12,6 +14,8 @@ from inference.quant import (ceil_pow2, dequant_fp4_weight, e2m1_round, float_to
                              unpack_fp4)
 from inference.rope import apply_rotary_, precompute_freqs_cis
 from inference.kernels.reference import hc_split_sinkhorn, sparse_attn
+
+NX = numerics_for(RuntimeOptions(), "cpu")      # the exact order
 
 
 def bf16(values):
@@ -159,22 +163,22 @@ def test_sinkhorn_split():
 
 
 def test_yarn_frequencies_released():
-    f = precompute_freqs_cis(64, 2, 160000, 65536, 16, 32, 1)[1].angle()   # angle at position 1 = frequency
+    f = precompute_freqs_cis(64, 2, 160000, 65536, 16, 32, 1, nx=NX)[1].angle()   # angle at 1 = frequency
     assert f[0].item() == pytest.approx(1.0, rel=1e-7)
     assert f[16].item() == pytest.approx(0.0022656249, rel=1e-6)
     assert f[25].item() == pytest.approx(5.3723124e-06, rel=1e-6)
     assert f[31].item() == pytest.approx(5.6805294e-07, rel=1e-6)
-    plain = precompute_freqs_cis(64, 2, 10000)[1].angle()
+    plain = precompute_freqs_cis(64, 2, 10000, nx=NX)[1].angle()
     assert plain[1].item() == pytest.approx(10000 ** (-2 / 64), rel=1e-6)
 
 
 def test_rotary_interleaved_pairs_and_inverse():
     x = torch.zeros(1, 1, 1, 4, dtype=torch.float32)
     x[..., 0] = 1.0                                           # pair 0 = 1 + 0j
-    f = precompute_freqs_cis(4, 3, 10000)[2:3]                # position 2, angle 2 rad on pair 0
-    y = apply_rotary_(x.clone(), f)
+    f = precompute_freqs_cis(4, 3, 10000, nx=NX)[2:3]                # position 2, angle 2 rad on pair 0
+    y = apply_rotary_(x.clone(), f, NX)
     assert y[0, 0, 0, :2].tolist() == pytest.approx([math.cos(2), math.sin(2)], abs=1e-6)
-    z = apply_rotary_(y.clone(), f, inverse=True)
+    z = apply_rotary_(y.clone(), f, NX, inverse=True)
     assert torch.allclose(z, x, atol=1e-6)
 
 

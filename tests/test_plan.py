@@ -149,9 +149,9 @@ def test_stated_workspace_bounds_the_measured_peak(batch, seqlen):
     from conftest import fixture_model
     from inference.layers import Linear
     model = fixture_model(max_batch_size=2)
-    for m in model.modules():                       # the CPU path caches these: held, not workspace
+    for m in model.modules():                       # the CPU path keeps these: held, not workspace
         if isinstance(m, Linear) and m.scale is not None:
-            m.dequantized()
+            model.nx.dequantized(m)
     ids = torch.randint(3, model.args.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0))
     measured = peak_allocated(lambda: model(ids, 0))
     shapes = plan_memory(model.args, 1).shapes

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from ..kernels import drop_derived
 from ..model import Transformer
 from ..safetensors_io import read_header
 from .errors import InputError
@@ -118,9 +119,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
             bar.update(infos[name].nbytes)
     if bar is not None:
         bar.close()
-    for m in model.modules():
-        if hasattr(m, "clear_cache"):
-            m.clear_cache()
+    drop_derived(model)                     # layouts made from the old weights
 
 
 _MAPPABLE = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
@@ -184,7 +183,7 @@ def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=No
         check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
     log("build model")
     model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only,
-                        build_dspark=offload == "none" or dspark)
+                        build_dspark=offload == "none" or dspark, streamed=offload == "disk")
     stream = None
     if offload == "disk":
         from .offload import BlockStreamer, streamed_names
@@ -199,7 +198,7 @@ def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=No
     log("load model")
     load_checkpoint(model, ckpt_dir, par.rank, par.world_size, progress=par.rank == 0,
                     streamed=set(names) if stream else frozenset())
-    model.weight_stream = stream
+    model.attach_stream(stream)
     model.eval()
     log("model ready")
     return model

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..kernels import Derived
 from ..safetensors_io import TensorInfo, torch_dtypes
 from .errors import InputError
 
@@ -127,9 +128,6 @@ class BlockStreamer:
                 module._parameters[attr] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                         requires_grad=False)
             self.blocks.append(entries)
-        for name, m in model.layers.named_modules():       # routed experts: one use per forward
-            if ".ffn.experts." in f".{name}." and hasattr(m, "keep_derived"):
-                m.keep_derived = False
         self._map_embedding(model, infos)
         # Two slots, each one flat byte buffer as large as the largest unit; a unit's tensors are views into
         # it at fixed offsets. One allocation per slot for the whole run: no per-tensor allocations, no heap
@@ -250,10 +248,11 @@ class BlockStreamer:
         self.attached = None
 
     def _clear_caches(self, i: int) -> None:
-        """Drop what the kernels derived from the weights (dequantized copies, invariant layouts)."""
+        """Drop what the numerics derived from the unit's streamed weights (dequantized copies, invariant
+        layouts); the Engram module's weights stay resident, and so do their layouts."""
         for name, m in self.modules[i].named_modules():
-            if hasattr(m, "clear_cache") and not name.startswith("engram"):
-                m.clear_cache()
+            if isinstance(getattr(m, "derived", None), Derived) and not name.startswith("engram"):
+                m.derived.clear()
 
     def close(self) -> str:
         """Wait for the last read-ahead, stop the thread, remove the hooks; returns the summary line."""

@@ -1,13 +1,13 @@
 """Loop-free torch kernels: every rounding point of the reference, another summation order.
 
-The fast route of the dispatch (inference/kernels/__init__.py): the torch path on CUDA when the tilelang
-kernels are absent or off, and on CPU with `--numerics fast`. It keeps every rounding point of the reference
-(act_quant before each FP8/FP4 GEMM, bf16 GEMM outputs, FP8/FP4 cache round trips, probabilities rounded to
-bf16 before P.V relative to the running max of their 64-entry chunk, bf16 indexer scores) and differs only
-in the order in which fp32 sums are formed. Why the products are the same numbers: an E4M3 value times a
-power-of-two scale, and an E2M1 value times a UE8M0 scale, are exact in bf16 (<= 4 significant bits), and
-the product of two such values is exact in fp32 (<= 8 of its 24 bits); so a GEMM of the dequantised
-activation and weight accumulated in fp32 forms exactly the reference's products.
+The fast order (class Fast at the end; inference/kernels/numerics.py has the interface): the torch path on
+CUDA when the tilelang kernels are absent or off, and on CPU with `--numerics fast`. It keeps every rounding
+point of the reference (act_quant before each FP8/FP4 GEMM, bf16 GEMM outputs, FP8/FP4 cache round trips,
+probabilities rounded to bf16 before P.V relative to the running max of their 64-entry chunk, bf16 indexer
+scores) and differs only in the order in which fp32 sums are formed. Why the products are the same numbers: an
+E4M3 value times a power-of-two scale, and an E2M1 value times a UE8M0 scale, are exact in bf16 (<= 4
+significant bits), and the product of two such values is exact in fp32 (<= 8 of its 24 bits); so a GEMM of the
+dequantised activation and weight accumulated in fp32 forms exactly the reference's products.
 
 No Python loop here grows with head_dim, the number of K blocks, the number of experts or the number of
 tokens of a decode step: a GEMM is one matmul; attention scores are one batched matmul, the chunked online
@@ -15,12 +15,12 @@ softmax is rebuilt from a cumulative max over the chunk maxima, P.V is one batch
 the only loops left run over query blocks of a prefill (bounding memory) and Sinkhorn's fixed iteration
 count (sequential by nature; the fused kernel is the fast path there).
 
-Memory: a non-expert FP8/FP4 weight is dequantised once and cached in the compute dtype (layers.Linear):
+Memory: a non-expert FP8/FP4 weight is dequantised once and kept in the compute dtype (in its Derived):
 bf16 on CUDA, 2 bytes per weight next to its 1 (FP8) or 0.5 (FP4) stored bytes (released config: 6.0 G
 such weights, an 11.1 GiB cache at W = 1); fp32 on CPU, 4 bytes per weight, as the exact path has always
 cached. Routed experts are not cached off CPU: a decode step stacks and dequantises only the experts it
-selects (moe.py; released config, batch 1: 6 experts x 3 matrices of 5120 x 2304, 0.4 GiB of bf16 for the
-duration of one layer), a prefill each active expert once per call.
+selects (Fast.routed_experts; released config, batch 1: 6 experts x 3 matrices of 5120 x 2304, 0.4 GiB of
+bf16 for the duration of one layer), a prefill each active expert once per call.
 
 Measured on the reference-tiny fixture, teacher-forced (the prompt, then 20 single-token steps), on CPU:
     fast vs exact:                 logits max |d| 0.094, mean |d| 0.016; same argmax at 20 of 21 steps
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import E2M1_TABLE, ue8m0_to_float
-from .reference import CHUNK, act_quant
+from .reference import CHUNK, Exact, act_quant
 
 BLOCK = 32
 
@@ -182,3 +182,79 @@ def moe_decode(x: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, w1: t
     hs[take, tok] = h                                               # expert at most once
     out = grouped_gemm(hs[:g], w2, quantize)                        # [A, N, D]
     return F.pad(out, (0, 0, 0, 0, 0, 1))[take, tok]                # [N, k, D]
+
+
+# ---- the fast order behind the numerics interface ----
+
+class Fast(Exact):
+    """Loop-free torch at the reference's rounding points: GEMMs on weights dequantised once into the compute
+    dtype, batched attention and index scores, gathered routed experts. Golden numerics (no quantisation)
+    keep the exact order's routed-expert loop."""
+
+    name = "fast"
+
+    def dequantized(self, layer, dtype=torch.float32):
+        """fp32 as the exact order keeps it; bf16 (the GPU's compute dtype) kept in the layer's Derived
+        unless it keeps nothing (routed experts off the CPU: a step dequantises only those it selects)."""
+        if dtype == torch.float32:
+            return super().dequantized(layer, dtype)
+        return layer.derived.get(layer.weight, f"dequantized:{dtype}",
+                                 lambda: dequant_weight(layer.weight, layer.scale, layer.kind, dtype))
+
+    def quant_linear(self, layer, x):
+        return gemm(x, self.dequantized(layer, compute_dtype(x.device)))
+
+    def sparse_attn(self, q, kv, sink, idx, scale):
+        return sparse_attn(q, kv, sink, idx, scale)
+
+    def local_index_scores(self, q, keys, w):
+        return index_scores(q, keys, w)
+
+    def routed_experts(self, moe, x, weights, idx, decode=False):
+        """Decode steps (one position per sequence) and small calls (draft blocks) gather their experts:
+        the selected experts stacked and dequantised together, one batched GEMM per projection
+        (moe_decode). Larger calls sort the selections by expert and run one GEMM per active expert.
+        Each selection's output is then added in increasing expert index, as the exact loop adds them."""
+        if self.golden:
+            return super().routed_experts(moe, x, weights, idx)
+        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # the one host sync
+        out = self._routed(moe, x, weights, idx, counts, decode or x.shape[0] <= 16)   # [N, k, D]
+        out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for j in range(idx.shape[1]):                                # top-k: a constant of the model
+            y += out[:, j]
+        return y
+
+    def _routed(self, moe, x, weights, idx, counts, gathered):
+        """Each selection's expert output [N, k, D] bf16 (zero for other ranks' experts)."""
+        n, k = idx.shape
+        active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]   # increasing
+        out = x.new_zeros(n, k, x.shape[-1])
+        if not active:
+            return out
+        if gathered:
+            slot_of = torch.full((moe.n_experts,), -1, dtype=torch.long)
+            slot_of[active] = torch.arange(len(active))
+            slot = slot_of.to(x.device)[idx]                                           # [N, k]
+            first, dtype = moe.experts[active[0]], compute_dtype(x.device)
+            w1, w3, w2 = (self._stacked(moe, active, p, dtype) for p in ("w1", "w3", "w2"))
+            return moe_decode(x, slot, weights, w1, w3, w2, first.w1.scale is not None, first.swiglu)
+        order = idx.flatten().argsort(stable=True)                  # selections grouped by expert, increasing
+        lo = sum(counts[:moe.start])
+        rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]          # this rank's selections
+        sizes = [counts[e] for e in active]
+        parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
+        outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]         # [n_e, D] each
+        out.view(n * k, -1)[rows] = torch.cat(outs)
+        return out
+
+    def _stacked(self, moe, active, name, dtype):
+        """Dequantised weights [A, out, in] of projection `name` of the active experts, in `dtype`. On CPU
+        from each Linear's kept value; elsewhere the stored bytes are stacked (one copy, no kernel per
+        expert: the lists only collect references) and dequantised together."""
+        lins = [getattr(moe.experts[e], name) for e in active]
+        if lins[0].scale is None:
+            return torch.stack([lin.weight for lin in lins]).to(dtype)
+        if lins[0].weight.device.type == "cpu":
+            return torch.stack([self.dequantized(lin, dtype) for lin in lins])
+        return dequant_stacked([lin.weight for lin in lins], [lin.scale for lin in lins], lins[0].kind, dtype)

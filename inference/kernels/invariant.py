@@ -28,6 +28,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import reference
+from .numerics import Numerics, exact_weight
+
 CHUNKS = 8          # the largest supported world size
 _LN2_HI = 0.693147180369123816490        # few significant bits: k * _LN2_HI is exact for |k| < 2^20
 _LN2_LO = 1.90821492927058770002e-10
@@ -363,13 +366,6 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, par=None)
     return out
 
 
-def hc_mixes_linear(u: torch.Tensor, fn: torch.Tensor, norm_eps: float,
-                    prepared: Optional[PreparedWeight] = None) -> torch.Tensor:
-    """The mixes of a hyper-connection site: u [..., hc*D] fp32 -> linear(u, fn) * rsqrt(mean(u^2) + eps)."""
-    r = rsqrt(tree_mean(u * u, -1, keepdim=True) + norm_eps)
-    return linear(u, fn, torch.float32, prepared) * r
-
-
 # pi / 2 in three parts, the first two with few enough bits that k * part is exact for |k| < 2^20
 _PIO2_1 = 1.57079632673412561417e+00
 _PIO2_2 = 6.07710050650619224932e-11
@@ -417,3 +413,120 @@ def rotate(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool = False) -> tor
         s = -s
     x0, x1 = x[..., 0], x[..., 1]
     return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The invariant order behind the numerics interface
+# ---------------------------------------------------------------------------------------------------------
+
+class Invariant(Numerics):
+    """Every reduction in the canonical tree, every transcendental function from basic operations, GEMMs with
+    exact products (see the module docstring). Weights are laid out once (PreparedWeight) and kept in their
+    module's Derived instead of an fp32 copy. The quantizers are the exact order's (they reduce only by max,
+    which any order computes alike)."""
+
+    name = "invariant"
+    rows_independent = True
+
+    def _prepared(self, layer) -> PreparedWeight:
+        return layer.derived.get(layer.weight, "invariant", lambda: PreparedWeight.of(exact_weight(layer)))
+
+    def linear(self, layer, x):
+        if self.golden or layer.scale is None:
+            return linear(x.float() if self.golden else x, None, prepared=self._prepared(layer))
+        return quant_gemm(x, self._prepared(layer), reference.act_quant)
+
+    def row_parallel_linear(self, layer, x, par):
+        """FP8/FP4 weights: the sum over K continues across the ranks, in its tree (no all-reduce after)."""
+        if self.golden or layer.scale is None:
+            return super().row_parallel_linear(layer, x, par)
+        return quant_gemm(x, self._prepared(layer), reference.act_quant, par=par)
+
+    def dense(self, x, w, derived, key=None):
+        prepared = derived.get(w if key is None else key, "invariant", lambda: PreparedWeight.of(w))
+        return linear(x, None, prepared=prepared)
+
+    def grouped_linear(self, x, weight, groups, derived):
+        per_group = derived.get(weight, "invariant-groups",
+                                lambda: [PreparedWeight.of(w) for w in weight.view(groups, -1, x.shape[-1])])
+        return torch.stack([linear(x[:, :, g], None, prepared=p) for g, p in enumerate(per_group)], 2)
+
+    def sum(self, x, dim=-1, keepdim=False):
+        return tree_sum(x, dim, keepdim)
+
+    def mean(self, x, dim=-1, keepdim=False):
+        return tree_mean(x.float(), dim, keepdim).to(x.dtype)
+
+    def rsqrt(self, x):
+        return rsqrt(x)
+
+    def sigmoid(self, x):
+        return sigmoid(x)
+
+    def silu(self, x):
+        return silu(x)
+
+    def softplus(self, x):
+        return softplus(x)
+
+    def softmax(self, x, dim=-1):
+        return softmax(x, dim)
+
+    def pow(self, base, e):
+        return pow_(base, e.double()).float()
+
+    def rope_table(self, freqs, max_seq_len):
+        """A real table [max_seq_len, n, 2] of cos, sin (see rope_table)."""
+        if freqs.is_meta:
+            return torch.empty(max_seq_len, freqs.shape[0], 2, device="meta")
+        return rope_table(freqs, max_seq_len).to(freqs.device)
+
+    def rotate(self, pairs, table, inverse=False):
+        return rotate(pairs, table, inverse)
+
+    def exponential_like(self, p, generator=None):
+        """-log(U) of the generator's uniform bits (exponential_ evaluates its log with the vector unit's
+        rounding)."""
+        u = torch.rand(p.shape, generator=generator, dtype=torch.float64, device=p.device)
+        return (-_log64(1.0 - u)).float()
+
+    def sparse_attn(self, q, kv, sink, idx, scale):
+        return sparse_attn(q, kv, sink, idx, scale)
+
+    def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
+        return hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
+
+    def index_scores(self, q, keys, w, par):
+        """The head sum continues across the ranks in its tree (no all-reduce after)."""
+        return index_scores(q, keys, w, par)
+
+    def act_quant(self, x, block=32):
+        return reference.act_quant(x, block)
+
+    def _fp8_qdq_(self, x, block):
+        return reference.fp8_qdq_(x, block)
+
+    def _fp4_qdq_e8m0_(self, x, block):
+        return reference.fp4_qdq_e8m0_(x, block)
+
+    def _fp4_qdq_e4m3_(self, x, block):
+        return reference.fp4_qdq_e4m3_(x, block)
+
+    def routed_experts(self, moe, x, weights, idx, decode=False):
+        """Each selection's output in its own slot [N, k, D] fp32 (zero where another rank's expert was
+        chosen): summed over the ranks by the caller (exact: one rank holds each slot, the others add zeros),
+        then over the slots by combine_experts. No sum depends on the world size or on which tokens share an
+        expert."""
+        n, k = idx.shape
+        out = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
+        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()
+        for e in range(moe.start, moe.start + moe.n_local):
+            if counts[e]:
+                tok, slot = torch.where(idx == e)
+                out[tok, slot] = moe.experts[e](x[tok], weights[tok, slot, None]).float()
+        return out
+
+    def combine_experts(self, y, idx):
+        """Slots [N, k, D] -> [N, D]: tree_sum over the slots in increasing expert index."""
+        y = y.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+        return tree_sum(y, dim=1)

@@ -5,12 +5,13 @@ quantize-dequantize round trips of the caches, the block-scaled FP8/FP4 GEMM (pe
 block at a time in increasing K order), sparse attention with a sink (online softmax over 64-entry chunks,
 each q.k summed in head-dim order), the hyper-connection Sinkhorn split and the indexer's head-weighted
 scores. They are written for clarity and exactness, not speed: `fast.py` has loop-free versions with the same
-rounding points, and `tilelang_ops.py` the fused GPU kernels. Model code reaches all three through the
-dispatch in `inference/kernels/__init__.py`.
+rounding points, and `tilelang_ops.py` the fused GPU kernels. Model code reaches them through the numerics
+interface (`numerics.py`): class Exact at the end of this file is the exact order's.
 """
 import torch
 
 from ..quant import C6, C448, FP4_MAX, FP8_MAX, ceil_pow2, e2m1_round
+from .numerics import Numerics
 
 CHUNK = 64  # sparse attention walks each index list in blocks of 64 entries
 
@@ -171,3 +172,36 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
         score = torch.einsum("bshd,btd->bsht", q[:, s0:s0 + rows], keys)        # bf16 out, fp32 accumulation
         parts.append((score.relu_() * w[:, s0:s0 + rows].unsqueeze(-1)).sum(dim=2))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+# ---- the exact order behind the numerics interface ----
+
+class Exact(Numerics):
+    """The reference's summation order (bit for bit on CPU), at the reference's or the golden rounding
+    points."""
+
+    name = "exact"
+
+    def quant_linear(self, layer, x):
+        return block_scaled_gemm(x, self.dequantized(layer))
+
+    def sparse_attn(self, q, kv, sink, idx, scale):
+        return sparse_attn(q, kv, sink, idx, scale)
+
+    def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
+        return hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
+
+    def local_index_scores(self, q, keys, w):
+        return index_scores(q, keys, w)
+
+    def act_quant(self, x, block=32):
+        return act_quant(x, block)
+
+    def _fp8_qdq_(self, x, block):
+        return fp8_qdq_(x, block)
+
+    def _fp4_qdq_e8m0_(self, x, block):
+        return fp4_qdq_e8m0_(x, block)
+
+    def _fp4_qdq_e4m3_(self, x, block):
+        return fp4_qdq_e4m3_(x, block)

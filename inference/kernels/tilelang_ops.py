@@ -2,8 +2,9 @@
 
 Each public function below has the signature and return convention of its torch reference (act_quant,
 fp8_qdq_, fp4_qdq_e8m0_, fp4_qdq_e4m3_, the FP8/FP4 block-scaled GEMM, sparse_attn, hc_split_sinkhorn and
-the indexer's head-weighted scores), so the dispatch can swap one for the other. Arguments are checked
-(dtype and shape first, then contiguity, then device) before anything is compiled or launched.
+the indexer's head-weighted scores), so the TileLang numerics (the class at the end) can swap one for the
+other. Arguments are checked (dtype and shape first, then contiguity, then device) before anything is
+compiled or launched.
 
 Every kernel comes from a factory taking explicit sizes and returning a `T.prim_func`; batch-like sizes are
 symbolic (`T.dynamic`), so one compiled kernel serves every row count. `compile_kernel(prim_func, target)`
@@ -34,6 +35,8 @@ import struct
 import tilelang
 import tilelang.language as T
 import torch
+
+from .reference import Exact
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -683,3 +686,47 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
     if out.numel():
         _compiled(fn, h, d)(q, keys, w, out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The TileLang route behind the numerics interface
+
+def _in_place_any(kernel, x: torch.Tensor, block: int) -> torch.Tensor:
+    """Run an in-place kernel (contiguous operands only) on any x, writing the result into x."""
+    y = x if x.is_contiguous() else x.contiguous()
+    kernel(y, block)
+    return x if y is x else x.copy_(y)
+
+
+class TileLang(Exact):
+    """The fused kernels above for the quantisers, the FP8/FP4 GEMMs, sparse attention, Sinkhorn and the index
+    scores; everything else as the exact order computes it (the MoE loops over its active experts, each GEMM
+    a kernel). Reference rounding points only (golden numerics run the torch kernels)."""
+
+    name = "tilelang"
+
+    def quant_linear(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()                # [M, K]
+        y = (fp8_gemm if layer.kind == "fp8" else fp4_gemm)(x2, layer.weight, layer.scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def sparse_attn(self, q, kv, sink, idx, scale):
+        return sparse_attn(q.contiguous(), kv.contiguous(), sink, idx.contiguous(), scale)
+
+    def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
+        return hc_split_sinkhorn(mixes.contiguous(), scale, base, hc, iters, eps)
+
+    def local_index_scores(self, q, keys, w):
+        return index_scores(q.contiguous(), keys.contiguous(), w.contiguous())
+
+    def act_quant(self, x, block=32):
+        return act_quant(x.contiguous(), block)
+
+    def _fp8_qdq_(self, x, block):
+        return _in_place_any(fp8_qdq_, x, block)
+
+    def _fp4_qdq_e8m0_(self, x, block):
+        return _in_place_any(fp4_qdq_e8m0_, x, block)
+
+    def _fp4_qdq_e4m3_(self, x, block):
+        return _in_place_any(fp4_qdq_e4m3_, x, block)

@@ -1,0 +1,254 @@
+"""The one interface of everything whose numbers depend on the numerics mode.
+
+A model module calls `nx.<op>` (nx: the `Numerics` its ModelContext carries) for each operation whose result
+depends on the summation order or on the rounding points, and plain torch for everything else. The choice is
+made once, where the model is built (`inference.kernels.numerics_for`), along two axes:
+
+    rounding points   reference: bf16 activations, FP8 activations before FP8/FP4 GEMMs, the caches'
+                      FP8/FP4 round trips, as DeepSeek's code;  golden: fp32 everywhere, no fake quantization
+    summation order   one subclass per order, each in the file of its kernels:
+                      Exact (reference.py)      the reference's order, bit for bit on CPU
+                      Fast (fast.py)            loop-free torch, the same rounding points
+                      Invariant (invariant.py)  an order fixed by the shapes alone (same bits everywhere)
+                      TileLang (tilelang_ops.py) the fused GPU kernels
+
+This base class is the interface and holds what every order shares: torch's own elementwise functions and
+reductions, the dispatch of a Linear by weight kind, the golden rounding points, and the collectives of the
+rank-split operations. Subclasses override only what their order does differently.
+
+What is derived from a weight (a dequantised copy, the invariant layout, a stacked GPU layout) lives with the
+module that owns the weight, in its `Derived`, and is dropped by one call on the model (drop_derived).
+"""
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import dequant_fp4_weight, dequant_fp8_weight
+
+BLOCK = 32
+
+
+class Derived:
+    """Layouts derived from one module's weights, built on first use and kept with the module: keyed by the
+    layout's name and the weight tensor itself (a weight replaced by another, as the block streamer does, is
+    never served a stale layout). `keep=False`: built for each call and never kept (weights streamed from
+    disk, routed experts off the CPU: what one call uses once must not pile up)."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self._items = {}
+
+    def get(self, weight: torch.Tensor, layout: str, make: Callable[[], object], keep: bool = True):
+        key = (layout, id(weight))
+        hit = self._items.get(key)
+        if hit is not None and hit[0] is weight:
+            return hit[1]
+        value = make()
+        if keep and self.keep:
+            self._items[key] = (weight, value)
+        return value
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def drop_derived(module: torch.nn.Module) -> None:
+    """Empty the Derived of `module` and of every module below it."""
+    for m in module.modules():
+        d = getattr(m, "derived", None)
+        if isinstance(d, Derived):
+            d.clear()
+
+
+def exact_weight(layer) -> torch.Tensor:
+    """The exact fp32 value of a Linear-like layer's weight (FP8 / FP4 codes times their scales)."""
+    if layer.scale is None:
+        return layer.weight.float()
+    fn = dequant_fp8_weight if layer.kind == "fp8" else dequant_fp4_weight
+    return fn(layer.weight, layer.scale, BLOCK)
+
+
+class Numerics:
+    """The interface (see the module docstring). Methods group as: weights, GEMMs, elementwise functions
+    and reductions, RoPE and sampling, the fused kernels, the caches' round trips, the MoE's experts."""
+
+    name = "?"
+    # Whether every row's result is independent of the others in its call (then a verification extend needs
+    # no per-position evaluation to equal decoding, see ModelContext.per_position).
+    rows_independent = False
+
+    def __init__(self, golden: bool = False, device="cpu"):
+        self.golden = golden
+        self.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(golden={self.golden}, device={self.device})"
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """Activations and caches: bf16 as in DeepSeek's code, fp32 in golden numerics."""
+        return torch.float32 if self.golden else torch.bfloat16
+
+    # ---- weights ----
+
+    def dequantized(self, layer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact value of an FP8/FP4 Linear weight in `dtype`, kept in the layer's Derived on the CPU (off
+        the CPU the fp32 value is recomputed per call: memory is the constraint there)."""
+        return layer.derived.get(layer.weight, f"dequantized:{dtype}", lambda: exact_weight(layer).to(dtype),
+                                 keep=layer.weight.device.type == "cpu")
+
+    # ---- GEMMs ----
+
+    def linear(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T for a Linear at these rounding points: FP8/FP4 weights quantise x per 32 and give bf16;
+        bf16 / fp32 weights a plain GEMM in their dtype; golden: fp32, the weight's exact value."""
+        if self.golden:
+            w = layer.weight if layer.scale is None else self.dequantized(layer)
+            return self.dense(x.float(), w.float(), layer.derived, key=layer.weight)
+        if layer.scale is None:
+            return self.dense(x, layer.weight, layer.derived)
+        return self.quant_linear(layer, x)
+
+    def quant_linear(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The FP8/FP4 GEMM: act_quant(x) per 32, the weight's exact products, bf16 out."""
+        raise NotImplementedError
+
+    def row_parallel_linear(self, layer, x: torch.Tensor, par) -> torch.Tensor:
+        """A Linear whose input features are split over the ranks of `par`: the partial products of every
+        rank summed (bf16 partials widened to fp32 and all-reduced)."""
+        y = self.linear(layer, x)
+        if par.world_size > 1:
+            y = par.all_reduce(y.float()).to(x.dtype)
+        return y
+
+    def dense(self, x: torch.Tensor, w: torch.Tensor, derived: Derived, key: Optional[torch.Tensor] = None):
+        """x [..., K] @ w [N, K]^T in x's dtype for a stored bf16 / fp32 weight (the router, the head, the
+        hyper-connection mixes, bf16 and fp32 Linears). `derived` keeps what an order lays out from w, under
+        `key` (default w itself: a weight computed per call, like a dequantised one, names its source)."""
+        return F.linear(x, w.to(x.dtype))
+
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, groups: int, derived: Derived):
+        """The grouped low-rank output projection: x [B, S, G, d] and weight [G * r, d] -> [B, S, G, r], group
+        g multiplied by rows g*r..(g+1)*r of the weight, in x's dtype."""
+        w = weight.to(x.dtype).view(groups, -1, x.shape[-1])             # [G, r, d]
+        return torch.einsum("bsgd,grd->bsgr", x, w)
+
+    # ---- elementwise functions and reductions ----
+
+    def sum(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        return x.sum(dim=dim, keepdim=keepdim)
+
+    def mean(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        return x.mean(dim=dim, keepdim=keepdim)
+
+    def rsqrt(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rsqrt(x)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+    def softplus(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(x)
+
+    def softmax(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x.softmax(dim=dim)
+
+    # ---- RoPE and sampling ----
+
+    def pow(self, base: float, e: torch.Tensor) -> torch.Tensor:
+        """base ** e for an fp32 tensor e (the RoPE frequencies)."""
+        return base ** e
+
+    def rope_table(self, freqs: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """Rotations e^{i t f} for positions t < max_seq_len: complex64 [max_seq_len, len(freqs)]. A meta
+        `freqs` gives the table's shape only (a memory plan)."""
+        if freqs.is_meta:
+            return torch.empty(max_seq_len, freqs.shape[0], dtype=torch.complex64, device="meta")
+        t = torch.arange(max_seq_len, dtype=torch.float32, device=freqs.device)
+        angles = torch.outer(t, freqs)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def rotate(self, pairs: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """(x0 + i x1) * e^{+-i theta}: pairs [..., n, 2] fp32, table broadcastable to [..., n]
+        -> [..., n, 2]."""
+        z = torch.view_as_complex(pairs.contiguous())
+        return torch.view_as_real(z * (table.conj() if inverse else table))
+
+    def exponential_like(self, p: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Exp(1) noise of p's shape (Gumbel-max sampling)."""
+        return torch.empty_like(p).exponential_(1, generator=generator)
+
+    # ---- fused kernels ----
+
+    def sparse_attn(self, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+        """q [B, M, H, D], kv [B, N, D], sink [H] fp32, idx [B, M, T] int32 (-1 = none) -> [B, M, H, D]."""
+        raise NotImplementedError
+
+    def hc_split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                          iters: int, eps: float):
+        """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]."""
+        raise NotImplementedError
+
+    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, par) -> torch.Tensor:
+        """sum_h ReLU(q_h . k) * w_h over the heads of every rank (this rank holds q and w of its heads):
+        q [B, S, H_l, D], keys [B, T, D], w [B, S, H_l] -> [B, S, T] bf16, bf16 partials all-reduced."""
+        return par.all_reduce(self.local_index_scores(q, keys, w))
+
+    def local_index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- the caches' round trips (golden numerics skip them) ----
+
+    def act_quant(self, x: torch.Tensor, block: int = BLOCK):
+        """x [..., K] -> (e4m3 [..., K], fp32 power-of-two scales [..., K/block])."""
+        raise NotImplementedError
+
+    def fp8_qdq_(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+        """In place: x <- e4m3(x / s) * s per `block` (window KV)."""
+        return x if self.golden else self._fp8_qdq_(x, block)
+
+    def fp4_qdq_e8m0_(self, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+        """In place: FP4 round trip with power-of-two scales per `block` (indexer queries and keys)."""
+        return x if self.golden else self._fp4_qdq_e8m0_(x, block)
+
+    def fp4_qdq_e4m3_(self, x: torch.Tensor, block: int = 16) -> torch.Tensor:
+        """In place: FP4 round trip with E4M3 scales per `block` (compressed KV latents)."""
+        return x if self.golden else self._fp4_qdq_e4m3_(x, block)
+
+    def _fp8_qdq_(self, x, block):
+        raise NotImplementedError
+
+    def _fp4_qdq_e8m0_(self, x, block):
+        raise NotImplementedError
+
+    def _fp4_qdq_e4m3_(self, x, block):
+        raise NotImplementedError
+
+    # ---- the MoE's routed experts ----
+
+    def routed_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                       decode: bool = False) -> torch.Tensor:
+        """This rank's share of the routed experts' output for x [N, D], routing weights and expert indices
+        [N, k]: summed over its experts in increasing expert index, [N, D] fp32 (zero rows where no local
+        expert was chosen). The caller all-reduces it and hands it to combine_experts. `decode`: one
+        position per sequence (a decode step)."""
+        y = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # the one host sync
+        for e in range(moe.start, moe.start + moe.n_local):   # increasing global index
+            if counts[e] == 0:
+                continue
+            tok, slot = torch.where(idx == e)
+            y[tok] += moe.experts[e](x[tok], weights[tok, slot, None])
+        return y
+
+    def combine_experts(self, y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The all-reduced routed_experts output -> [N, D] fp32 (already summed in this order)."""
+        return y
