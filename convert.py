@@ -2,9 +2,10 @@
 
     python convert.py --hf-ckpt-path HF --save-path OUT --model-parallel W [--expert-dtype fp4|fp8]
 
-Rules: docs/checkpoint.md §2-3 (names, the split table, experts, Engram rows, `wo_a` dequantization, the
-FP4 -> FP8 expert recast) and docs/cli.md §3. The output bytes equal those of the official converter, which
-builds each rank's tensors in memory and calls `safetensors.torch.save_file` without metadata.
+Rules: the names, the split table and the recasts are the table below (RULES, with DROP_PREFIX, SKIP and
+RENAMES); docs/checkpoint.md §2-3 and docs/cli.md §3 explain them. The output bytes equal those of the
+official converter, which builds each rank's tensors in memory and calls `safetensors.torch.save_file`
+without metadata.
 
 Unlike the official tool this one streams: it plans every output tensor from the shard headers alone,
 checks that the checkpoint is complete before writing anything, then writes each rank's file tensor by
@@ -25,7 +26,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -45,21 +46,90 @@ class ConvertError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Names (docs/checkpoint.md §3.2) and the explicit split table (docs/checkpoint.md §2)
+# The conversion rules (docs/checkpoint.md §2-3). The planner takes them from here and nowhere else; the rest
+# of the file moves bytes (planning from headers, streaming, resuming, verification).
+
+# HF name -> converted name: drop a leading `model.`, skip the tied copies, then rename substrings in order.
+# The V4.1 release already uses the converted names; the renames are kept for older exports.
+DROP_PREFIX = "model."
+SKIP = re.compile(r"mtp\.\d+\.(?:embed|head)\.weight")  # the stages share the backbone's embed and head
+RENAMES = [  # (old, new, names starting with this keep `old`)
+    ("self_attn", "attn", None),
+    ("mlp", "ffn", "vision."),  # the vision tower's blocks keep their own `mlp`
+    ("weight_scale_inv", "scale", None),
+    ("e_score_correction_bias", "bias", None),
+]
+
+
+class Rule(NamedTuple):
+    regex: "re.Pattern"  # fullmatch on the converted name; the first row that matches decides
+    split: str    # rank r's part: expert (whole experts), engram (padded rows), dim0, dim1, replicate (all)
+    divides: str  # the config quantity W must divide, named in the error ("": nothing has to)
+    recast: str   # "" (the bytes unchanged), bf16, drop or expert, as below
+
+
+# Recasts. bf16: an FP8 weight becomes fp32(w) * fp32(its block scale) rounded to bf16, exactly. drop: not
+# written. expert: MXFP4 (I8) weights keep their bytes as F4 (float4_e2m1fn_x2) or, with --expert-dtype fp8,
+# become E4M3 with a UE8M0 scale per 32x32 block (exact unless a block's row scales span over 2^14,
+# docs/checkpoint.md §3.5).
+# Other dtypes are copied unchanged by both; no tensor is widened here (the loader widens some in memory,
+# docs/checkpoint.md §5).
+_B = r"(?:layers|mtp)\.\d+"  # a backbone layer or a DSpark stage
+_ATTN = _B + r"\.attn\."
+RULES = [Rule(re.compile(pattern, re.S), *rest) for pattern, *rest in [  # re.S: `.` spans any character
+    # converted name                                              split        W must divide       recast
+    # experts stay whole: rank r holds experts [r*E/W, (r+1)*E/W), their global indices kept in the names
+    (r"(?:.*?\.)?(?:mlp|ffn)\.experts\.(\d+)\..*",                "expert",    "n_routed_experts", "expert"),
+    # Engram rows need not divide by W: ceil(rows/W) rows per rank, padded (weights 0, scales 1.0)
+    (r".*\.engram\.embed\.(?:weight|scale)",                      "engram",    "",                 ""),
+    # vocabulary-parallel embeddings and output heads: the backbone's and the DSpark Markov heads'
+    (r"(?:mtp\.\d+\.markov_head\.)?(?:embed|head)\.weight",       "dim0",      "vocab_size",       ""),
+    # column-parallel query heads, each rank with its heads' attention sinks
+    (_ATTN + r"(?:wq_b\.(?:weight|scale)|attn_sink)",             "dim0",      "n_heads",          ""),
+    # grouped output projection, by groups; the model runs it in bf16
+    (_ATTN + r"wo_a\.weight",                                     "dim0",      "o_groups",         "bf16"),
+    # folded into the bf16 wo_a (written only where the weight is missing)
+    (_ATTN + r"wo_a\.scale",                                      "dim0",      "o_groups",         "drop"),
+    # the indexer's query heads and their head weights
+    (_ATTN + r"indexer\.(?:wq_b|weights_proj)\.(?:weight|scale)", "dim0",      "index_n_heads",    ""),
+    # row-parallel output projection: split along its input, the ranks' partial outputs are summed
+    (_ATTN + r"wo_b\.(?:weight|scale)",                           "dim1",      "o_groups",         ""),
+    # the rest (norms, wq_a, wkv, compressor, gates, shared experts, hc_*, Engram q/k/wkv, vision...): whole
+    (r".*",                                                       "replicate", "",                 ""),
+]]
+
 
 def normalize_name(name: str) -> Optional[str]:
-    """Reference name of an HF tensor name, or None for the tied `mtp.K.embed/head` copies (skipped)."""
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if re.fullmatch(r"mtp\.\d+\.(embed|head)\.weight", name):
+    """Converted name of an HF tensor name, or None for the tied `mtp.K.embed/head` copies (skipped)."""
+    if name.startswith(DROP_PREFIX):
+        name = name[len(DROP_PREFIX):]
+    if SKIP.fullmatch(name):
         return None
-    name = name.replace("self_attn", "attn")
-    if not name.startswith("vision."):
-        name = name.replace("mlp", "ffn")
-    return name.replace("weight_scale_inv", "scale").replace("e_score_correction_bias", "bias")
+    for old, new, keep_under in RENAMES:
+        if not (keep_under and name.startswith(keep_under)):
+            name = name.replace(old, new)
+    return name
 
 
-_B = r"(?:layers|mtp)\.\d+"
+def match_rule(name: str) -> Tuple[Rule, "re.Match"]:
+    """The first row of RULES that matches a converted name, and the match (group 1: the expert index)."""
+    for rule in RULES:
+        m = rule.regex.fullmatch(name)
+        if m:
+            return rule, m
+    raise AssertionError(name)  # unreachable: the last row matches every name
+
+
+def split_rule(name: str) -> Tuple[str, str]:
+    """(split, what must be divisible by W): split is expert | engram | dim0 | dim1 | replicate."""
+    rule, _ = match_rule(name)
+    return rule.split, rule.divides
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plan
+
+# The names the model knows: anything else stops the conversion before a byte is written.
 _KNOWN = re.compile("|".join(f"(?:{p})" for p in [
     r"(?:embed|head|norm)\.weight", r"image_(?:start|end|newline)",
     _B + r"\.(?:attn_norm|ffn_norm)\.weight", _B + r"\.hc_(?:attn|ffn)_(?:fn|base|scale)",
@@ -76,32 +146,7 @@ _KNOWN = re.compile("|".join(f"(?:{p})" for p in [
     r"vision\.blocks\.\d+\.attn\.(?:wqkv|wo)\.(?:weight|bias)", r"vision\.blocks\.\d+\.mlp\.w[12]\.weight",
     r"vision\.norm\.weight", r"aligner\.w[12]\.(?:weight|bias)",
 ]))
-_EXPERT = re.compile(r"(?:^|\.)(?:mlp|ffn)\.experts\.(\d+)\.")
-# Tensors split along dim 0 (rows), with what has to be divisible by W, for the error message.
-_DIM0 = [(re.compile(r"(?:embed|head)\.weight|mtp\.\d+\.markov_head\.(?:embed|head)\.weight"), "vocab_size"),
-         (re.compile(_B + r"\.attn\.(?:wq_b\.(?:weight|scale)|attn_sink)"), "n_heads"),
-         (re.compile(_B + r"\.attn\.wo_a\.(?:weight|scale)"), "o_groups"),
-         (re.compile(_B + r"\.attn\.indexer\.(?:wq_b|weights_proj)\.(?:weight|scale)"), "index_n_heads")]
-_DIM1 = re.compile(_B + r"\.attn\.wo_b\.(?:weight|scale)")
-_ENGRAM = re.compile(r".*\.engram\.embed\.(?:weight|scale)")
 
-
-def split_rule(name: str) -> Tuple[str, str]:
-    """(rule, what must be divisible by W): rule is expert | engram | dim0 | dim1 | replicate."""
-    if _EXPERT.search(name):
-        return "expert", "n_routed_experts"
-    if _ENGRAM.fullmatch(name):
-        return "engram", ""
-    for pattern, what in _DIM0:
-        if pattern.fullmatch(name):
-            return "dim0", what
-    if _DIM1.fullmatch(name):
-        return "dim1", "o_groups"
-    return "replicate", ""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Plan
 
 @dataclass
 class Src:
@@ -197,9 +242,9 @@ def load_sources(hf_dir: str) -> Tuple[List[str], Dict[str, Src]]:
 def infer_experts(names) -> Tuple[int, int]:
     backbone, mtp = -1, -1
     for name in names:
-        name = name[len("model."):] if name.startswith("model.") else name
-        m = _EXPERT.search(name)
-        if m:
+        name = name[len(DROP_PREFIX):] if name.startswith(DROP_PREFIX) else name
+        rule, m = match_rule(name)
+        if rule.split == "expert":
             if name.startswith("mtp."):
                 mtp = max(mtp, int(m.group(1)))
             else:
@@ -257,40 +302,50 @@ def _check_divisibility(plan: Plan) -> None:
 
 
 def _rank_tensors(plan: Plan, rank: int) -> List[Out]:
-    w, out = plan.world, []
-    per_main, per_mtp = plan.experts[0] // w, plan.experts[1] // w
+    out = []
     for name, src in sorted(plan.sources.items()):
-        rule, _ = split_rule(name)
-        shape = list(src.shape)
-        if rule == "expert":
-            e = int(_EXPERT.search(name).group(1))
-            per = per_mtp if name.startswith("mtp.") else per_main
-            if not rank * per <= e < (rank + 1) * per:
-                continue
-            out.append(_expert_tensor(plan, name, src))
-        elif rule == "engram":
-            rows = shape[0]
-            chunk = -(-rows // w)
-            r0, r1 = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
-            out.append(Out(name, src.dtype, [chunk] + shape[1:], "engram", src, rows=(r0, r1),
-                           pad_rows=chunk - (r1 - r0)))
-        elif rule == "dim0":
-            n = shape[0] // w
-            rows = (rank * n, (rank + 1) * n)
-            if name.endswith(".wo_a.scale") and name[:-len("scale")] + "weight" in plan.sources:
-                continue  # dropped: wo_a is dequantized to bf16
-            if name.endswith(".wo_a.weight") and src.dtype == "F8_E4M3":
-                out.append(_wo_a_tensor(plan, name, src, rows))
-            else:
-                out.append(Out(name, src.dtype, [n] + shape[1:], "copy", src, rows=rows))
-        elif rule == "dim1":
-            k = shape[1] // w
-            out.append(Out(name, src.dtype, [shape[0], k] + shape[2:], "cols", src,
-                           cols=(rank * k, (rank + 1) * k)))
-        else:
-            rows = (0, shape[0]) if shape else (0, 1)
-            out.append(Out(name, src.dtype, shape, "copy", src, rows=rows))
+        rule, m = match_rule(name)
+        o = _split(plan, rank, rule.split, name, src, m)
+        if o is not None:
+            o = _recast(plan, rule.recast, o)
+        if o is not None:
+            out.append(o)
     return out
+
+
+def _split(plan: Plan, rank: int, split: str, name: str, src: Src, m: "re.Match") -> Optional[Out]:
+    """This rank's part of one tensor under a RULES split (None: the rank holds none of it)."""
+    w, shape = plan.world, list(src.shape)
+    whole = (0, shape[0]) if shape else (0, 1)
+    if split == "expert":
+        per = (plan.experts[1] if name.startswith("mtp.") else plan.experts[0]) // w
+        if not rank * per <= int(m.group(1)) < (rank + 1) * per:
+            return None
+        return Out(name, src.dtype, shape, "copy", src, rows=whole)
+    if split == "engram":
+        rows = shape[0]
+        chunk = -(-rows // w)
+        r0, r1 = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        return Out(name, src.dtype, [chunk] + shape[1:], "engram", src, rows=(r0, r1),
+                   pad_rows=chunk - (r1 - r0))
+    if split == "dim0":
+        n = shape[0] // w
+        return Out(name, src.dtype, [n] + shape[1:], "copy", src, rows=(rank * n, (rank + 1) * n))
+    if split == "dim1":
+        k = shape[1] // w
+        return Out(name, src.dtype, [shape[0], k] + shape[2:], "cols", src, cols=(rank * k, (rank + 1) * k))
+    return Out(name, src.dtype, shape, "copy", src, rows=whole)
+
+
+def _recast(plan: Plan, recast: str, o: Out) -> Optional[Out]:
+    """A rank's part after a RULES recast (None: not written)."""
+    if recast == "bf16":
+        return _wo_a_tensor(plan, o.name, o.src, o.rows) if o.src.dtype == "F8_E4M3" else o
+    if recast == "drop":
+        return None if o.name[:-len("scale")] + "weight" in plan.sources else o
+    if recast == "expert":
+        return _expert_tensor(plan, o.name, o.src)
+    return o
 
 
 def _wo_a_tensor(plan: Plan, name: str, src: Src, rows: Tuple[int, int]) -> Out:
