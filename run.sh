@@ -3,7 +3,9 @@
 #   bash run.sh                       built-in demo: tiny random-weight model, CPU, W = 1 then W = 2
 #   bash run.sh test [pytest args]    the test suite
 #   bash run.sh convert ARGS...       python convert.py ARGS...
-#   bash run.sh gpu-check             the prepared device check (CUDA machines; says so in one line elsewhere)
+#   bash run.sh gpu-check [--wheels DIR] the prepared device check (CUDA machines; says so in one line
+#                                     elsewhere); --rehearse walks its setup on CPU; docs/cli.md §4.3
+#   bash run.sh wheels DIR            the wheels an offline GPU host needs for gpu-check --wheels
 #   bash run.sh generate ARGS...      launch generate.py with torchrun on a converted checkpoint
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -11,14 +13,21 @@ PY=${PYTHON:-python3}
 
 usage() {
     cat <<'EOF'
-usage: bash run.sh [demo | test | gpu-check | convert | generate | --help] [ARGS...]
+usage: bash run.sh [demo | test | gpu-check | wheels | convert | generate | --help] [ARGS...]
 
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
                         a two-image prompt (demo/images/) on CPU with 1 and 2 processes
   test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q -n 2 --dist loadfile tests
-  gpu-check             on a CUDA machine: every TileLang kernel against the torch reference, the fixture
-                        on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200)
+  gpu-check [--wheels DIR | --wheels DIR.tar.xz] [--rehearse] [ARGS]
+                        on a CUDA machine: every TileLang kernel against the torch reference, the fixture
+                        on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200);
+                        --rehearse: every phase's setup on CPU; --wheels: no pip from the network, the
+                        wheels of `run.sh wheels` installed into .device/site (GPU_CHECK_SITE) instead
+  wheels DIR [--python-version 3.N] [--pack]
+                        download into DIR the wheels gpu-check needs that a host with Python, torch and
+                        numpy may lack (tilelang and its dependencies; never torch or nvidia-*), for the
+                        host's Python (default: this one's); --pack also writes DIR.tar.xz
   convert ARGS          python3 convert.py ARGS, e.g.
                           bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
   generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
@@ -147,6 +156,43 @@ launch_generate() {
     exec "${cmd[@]}"
 }
 
+# The device check. With --wheels: nothing from the network; the wheels of `run.sh wheels` the host lacks go
+# into a private folder (GPU_CHECK_SITE, default .device/site) put first on PYTHONPATH, and the host's own
+# Python and torch run the check.
+gpu_check() {
+    local wheels="" have_wheels="" args=()
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --wheels)
+                [ $# -ge 2 ] || die "gpu-check --wheels needs a folder or a .tar.xz from:" \
+                    "bash run.sh wheels DIR"
+                wheels=$2 have_wheels=1
+                shift 2
+                ;;
+            --wheels=*)
+                wheels=${1#*=} have_wheels=1
+                shift
+                ;;
+            *)
+                args+=("$1")
+                shift
+                ;;
+        esac
+    done
+    if [ -n "$have_wheels" ]; then
+        [ -n "$wheels" ] || die "gpu-check --wheels needs a folder or a .tar.xz from: bash run.sh wheels DIR"
+        [ -e "$wheels" ] || die "gpu-check --wheels $wheels: no such folder or archive" \
+            "(make one with: bash run.sh wheels DIR [--pack])"
+        local site=${GPU_CHECK_SITE:-.device/site}
+        "$PY" -m inference.tools.gpu_check install-wheels "$wheels" --target "$site" || exit 1
+        site=$(cd "$site" && pwd)
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        install_requirements
+    fi
+    exec "$PY" -m inference.tools.gpu_check ${args[@]+"${args[@]}"}
+}
+
 cmd=${1:-demo}
 if [ $# -gt 0 ]; then
     shift
@@ -165,8 +211,10 @@ case "$cmd" in
         exec "$PY" convert.py "$@"
         ;;
     gpu-check)
-        install_requirements
-        exec "$PY" -m inference.tools.gpu_check "$@"
+        gpu_check "$@"
+        ;;
+    wheels)
+        exec "$PY" -m inference.tools.gpu_check wheels "$@"
         ;;
     generate)
         launch_generate "$@"

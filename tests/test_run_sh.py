@@ -1,4 +1,5 @@
-"""run.sh (docs/cli.md §4.2): usage, and the checks `run.sh generate` makes before launching torchrun."""
+"""run.sh (docs/cli.md §4.2): usage, and the checks `run.sh generate` makes before launching torchrun.
+gpu-check and wheels: tests/test_gpu_check.py."""
 import os
 import subprocess
 
@@ -31,6 +32,8 @@ def test_help():
         proc = run_sh(flag)
         assert proc.returncode == 0 and "usage: bash run.sh" in proc.stdout
         assert "MP [8]" in proc.stdout and "CKPT" in proc.stdout
+        assert "gpu-check [--wheels DIR | --wheels DIR.tar.xz]" in proc.stdout
+        assert "wheels DIR [--python-version 3.N] [--pack]" in proc.stdout
     proc = run_sh("bogus")
     assert proc.returncode == 2 and "usage: bash run.sh" in proc.stderr
 

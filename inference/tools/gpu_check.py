@@ -1,8 +1,11 @@
 """The prepared device check, for a machine with a CUDA GPU of compute capability >= 9.0 (an H200 in mind).
 
     python -m inference.tools.gpu_check [--fixture DIR] [--budget SECONDS] [--phases kernels,fixture,bench,tp]
+    python -m inference.tools.gpu_check --rehearse [--phases ...]     # every phase's setup on CPU, no GPU
+    bash run.sh gpu-check [--wheels DIR | --wheels DIR.tar.xz] [ARGS]  # the same, from the project's runner
 
-Phases, each with a time budget; a phase that runs out of time skips the rest of its work with a note:
+Phases (the table PHASES at the end of the file), each with a time budget; a phase that runs out of time skips
+the rest of its work with a note:
   kernels  every TileLang kernel against its torch reference (inference/kernels/reference.py) on random
            inputs at the released shapes (config.json): quantisers must give identical bytes and scales;
            GEMMs, attention and index scores must agree within the tolerances in CASE_TOLERANCES (printed);
@@ -17,27 +20,75 @@ Phases, each with a time budget; a phase that runs out of time skips the rest of
   tp       W = 2 with nccl when two GPUs are visible: a synthetic fixture-shaped model at W = 2 against W = 1
            (tilelang backend), compared by the parity tool.
 Without CUDA it prints one line and exits 2. Exit status 1 when any check that ran failed, else 0.
+
+Time budget on one H200 (seconds). The whole check, compilation included, stays within 8 minutes (480 s):
+
+  phase       budget  where the time goes
+  kernels       140   compiling the 29 kernels at the released shapes (70 s on 2 CPU cores; in parallel
+                      threads on the host's cores), then 18 cases of well under a second each
+  fixture       110   compiling the fixture's kernels, then generate.py twice (a 301-token prefill and 20
+                      steps each, a process start with torch and tilelang imports) and three comparisons
+  bench         130   a 3.8 GB synthetic checkpoint written and converted, its GEMM shapes compiled, then per
+                      backend the model built, a prefill and 16 decode steps at batch 1 and at batch 32
+  tp             50   two GPUs only (skipped on one): a fixture-shaped checkpoint converted for W = 1 and 2,
+                      each scored, one comparison
+  (cudagraph)    40   reserved for the next phase (RESERVED below)
+  start-up       10   Python, torch and CUDA initialisation, the summary
+  total         480
+--budget defaults to the sum of the phases' budgets (430 s; 470 s with cudagraph); it caps the whole run, and
+each phase also stops at its own budget. tests/test_gpu_check.py holds this table to PHASES.
+
+Rehearsal (--rehearse): every phase's setup walked on CPU at reduced shapes, so that a typo cannot cost a
+device run: the kernel list at the released shapes and the kernel cases at the fixture's shapes, each input
+passed through the TileLang wrapper's own argument checks and the kernel replaced by its torch counterpart;
+the fixture scored on CPU for its prompt and 3 steps (torch kernels; the fast order stands in for tilelang);
+the bench model at the fixture's widths built and timed for 2 steps; W = 2 with gloo. Each phase prints what
+the real check does and a PASS / FAIL line; exit status 1 when any phase's setup raised or a comparison
+failed.
+
+Wheels for a GPU host without network (docs/cli.md §4.3), what `bash run.sh wheels DIR` and
+`bash run.sh gpu-check --wheels DIR` call:
+    python -m inference.tools.gpu_check wheels DIR [--python-version 3.12] [--pack]
+    python -m inference.tools.gpu_check install-wheels DIR|DIR.tar.xz [--target .device/site] [--all]
+`wheels` downloads (pip download --only-binary=:all: --no-deps, manylinux x86_64, for the given Python) the
+project's requirements other than torch, numpy and the test tools, tilelang first, and their runtime
+dependencies read from each wheel's metadata, never torch, triton or nvidia-* packages, with a manifest
+(wheels.json); --pack also writes DIR.tar.xz (xz preset 9, the wheels stored uncompressed inside).
+`install-wheels` installs, with pip --no-index --no-deps, the ones the host lacks (or has at a version the
+requirement excludes) into a private folder, never the host's site-packages, then checks that tilelang
+imports with that folder on PYTHONPATH.
 """
 import argparse
+import dataclasses
+import email.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import traceback
+import zipfile
+from typing import Callable
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "reference-tiny")
 HBM_PEAK_GBS = 4800.0           # H200
-PHASES = {"kernels": 170, "fixture": 130, "bench": 130, "tp": 60}   # seconds each, 490 at most in all
+TOTAL_SECONDS = 480             # the whole check on one H200, compilation included
+START_UP_SECONDS = 10           # Python, torch and CUDA initialisation, the summary
+RESERVED = {"cudagraph": 40}    # budgets of phases still to come; a new phase moves its line into PHASES
 # (relative to |reference|, floor as a fraction of max |reference|): one bf16 ulp is 2^-8..2^-7 relative;
 # the floor covers outputs that cancel to near zero, where one ulp of a partial sum is large.
 CASE_TOLERANCES = {"gemm": (2 ** -7, 2 ** -10), "attention": (2 ** -7, 2 ** -9), "scores": (2 ** -7, 2 ** -8)}
 SINKHORN_ULPS = {"pre": 4, "post": 4, "comb": 16}
 TOPK_OVERLAP = 0.99
+REHEARSAL_STEPS = 3             # decode steps the rehearsal scores after the fixture's prompt
+REHEARSAL_PHASE_SECONDS = 600   # a rehearsal phase's clock: the GPU budgets say nothing about a CPU
 
 
 class Clock:
@@ -55,6 +106,55 @@ class Clock:
 
 def note(msg: str):
     print(msg, flush=True)
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What a phase works with. `rehearse`: the CPU rehearsal (reduced shapes, torch kernels, gloo)."""
+    released: dict          # config.json: the released shapes
+    fixture: str            # the conformance fixture's directory
+    tmp: str                # this run's scratch directory
+    clock: Clock            # this phase's deadline
+    rehearse: bool = False
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.rehearse else "cuda"
+
+    def backend_flags(self, backend: str) -> list:
+        """generate.py's flags for a kernel backend. The rehearsal runs the torch kernels: the exact order for
+        `torch`, the fast order standing in for `tilelang`."""
+        if not self.rehearse:
+            return ["--kernel-backend", backend]
+        return ["--kernel-backend", "torch"] + (["--numerics", "fast"] if backend == "tilelang" else [])
+
+    def runtime(self, backend: str):
+        """RuntimeOptions for a model built in this process, as backend_flags for generate.py."""
+        from ..config import RuntimeOptions
+        if not self.rehearse:
+            return RuntimeOptions.from_profile("reference", kernel_backend=backend)
+        return RuntimeOptions.from_profile("reference,fast" if backend == "tilelang" else "reference",
+                                           kernel_backend="torch")
+
+    def fixture_config(self) -> dict:
+        with open(os.path.join(self.fixture, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
+
+    def score_file(self) -> str:
+        """The fixture's score.json; in the rehearsal a copy cut to the prompt and REHEARSAL_STEPS steps."""
+        path = os.path.join(self.fixture, "score.json")
+        if not self.rehearse:
+            return path
+        short = os.path.join(self.tmp, "score-short.json")
+        if not os.path.exists(short):
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            if spec.get("prefill_len"):
+                end = spec["prefill_len"] + REHEARSAL_STEPS
+                spec["sequences"] = [s[:end] if isinstance(s, list) else s for s in spec["sequences"]]
+            with open(short, "w", encoding="utf-8") as f:
+                json.dump(spec, f)
+        return short
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -118,10 +218,12 @@ def _activations(m, k, gen, dtype=torch.bfloat16):
     return x.to(dtype)
 
 
-def kernel_cases(cfg: dict):
-    """(name, shapes, run) for every kernel; run(gen) -> (ok, measured, tolerance), on gen's device."""
+def kernel_cases(cfg: dict, ops=None):
+    """(name, shapes, run) for every kernel; run(gen) -> (ok, measured, tolerance), on gen's device. `ops`:
+    the kernels under test, inference.kernels.tilelang_ops unless given (the rehearsal's TorchKernels)."""
     from ..kernels import reference as ref
-    from ..kernels import tilelang_ops as ops
+    if ops is None:
+        from ..kernels import tilelang_ops as ops
     from ..quant import dequant_fp4_weight, dequant_fp8_weight
     dim, hd, inter = cfg["dim"], cfg["head_dim"], cfg["moe_inter_dim"]
     heads, ihd, ih = cfg["n_heads"], cfg["index_head_dim"], cfg["index_n_heads"]
@@ -215,16 +317,77 @@ def kernel_cases(cfg: dict):
     return cases
 
 
-def phase_kernels(cfg: dict, clock: Clock) -> bool:
-    from ..kernels import tilelang_ops as ops
-    t0 = time.perf_counter()
-    failed = ops.precompile(ops.builds(cfg))
-    note(f"compiled {len(ops.builds(cfg))} kernels at the released shapes in {time.perf_counter() - t0:.1f} s"
-         + (f"; FAILED: {failed}" if failed else ""))
-    ok_all = not failed
-    gen = torch.Generator(device="cuda").manual_seed(0)
+class TorchKernels:
+    """The rehearsal's stand-in for tilelang_ops: each call first goes through the TileLang wrapper's own
+    argument checks, which on CPU tensors must stop at "must be a CUDA tensor" (dtypes and shapes accepted),
+    then returns the torch result: the quantisers and Sinkhorn from the exact reference, the GEMMs, attention
+    and index scores from the fast (loop-free) order, another summation order at the same rounding points."""
+
+    def __init__(self, ops):
+        self.ops = ops          # inference.kernels.tilelang_ops
+
+    def _accepted(self, name: str, *args):
+        try:
+            getattr(self.ops, name)(*args)
+        except ValueError as e:
+            if "must be a CUDA tensor" in str(e):
+                return
+            raise
+        raise RuntimeError(f"{name}: the TileLang wrapper accepted CPU tensors")
+
+    def act_quant(self, x, block=32):
+        from ..kernels import reference as ref
+        self._accepted("act_quant", x, block)
+        return ref.act_quant(x, block)
+
+    def _qdq(self, name, x, block):
+        from ..kernels import reference as ref
+        self._accepted(name, x, block)
+        return getattr(ref, name)(x, block)
+
+    def fp8_qdq_(self, x, block=32):
+        return self._qdq("fp8_qdq_", x, block)
+
+    def fp4_qdq_e8m0_(self, x, block=32):
+        return self._qdq("fp4_qdq_e8m0_", x, block)
+
+    def fp4_qdq_e4m3_(self, x, block=16):
+        return self._qdq("fp4_qdq_e4m3_", x, block)
+
+    def fp8_gemm(self, x, weight, scale):
+        from ..kernels import fast
+        from ..quant import dequant_fp8_weight
+        self._accepted("fp8_gemm", x, weight, scale)
+        return fast.gemm(x, dequant_fp8_weight(weight, scale))
+
+    def fp4_gemm(self, x, weight, scale):
+        from ..kernels import fast
+        from ..quant import dequant_fp4_weight
+        self._accepted("fp4_gemm", x, weight, scale)
+        return fast.gemm(x, dequant_fp4_weight(weight, scale))
+
+    def sparse_attn(self, q, kv, sink, idx, scale):
+        from ..kernels import fast
+        self._accepted("sparse_attn", q, kv, sink, idx, scale)
+        return fast.sparse_attn(q, kv, sink, idx, scale)
+
+    def hc_split_sinkhorn(self, *args):
+        from ..kernels import reference as ref
+        self._accepted("hc_split_sinkhorn", *args)
+        return ref.hc_split_sinkhorn(*args)
+
+    def index_scores(self, q, keys, w):
+        from ..kernels import fast
+        self._accepted("index_scores", q, keys, w)
+        return fast.index_scores(q, keys, w)
+
+
+def _kernel_table(cfg: dict, clock: Clock, ops, device: str) -> bool:
+    """Run every case of kernel_cases(cfg, ops) on `device`, one line each."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    ok_all = True
     note(f"{'kernel':18s} {'shapes':44s} {'result':6s} {'measured':46s} tolerance")
-    for name, shapes, run in kernel_cases(cfg):
+    for name, shapes, run in kernel_cases(cfg, ops):
         if clock.left() < 5:
             note(f"kernels: out of time, skipped {name} {shapes} and the rest")
             return False
@@ -235,6 +398,29 @@ def phase_kernels(cfg: dict, clock: Clock) -> bool:
         ok_all &= ok
         note(f"{name:18s} {shapes:44s} {'ok' if ok else 'FAIL':6s} {measured:46s} {tol}")
     return ok_all
+
+
+def phase_kernels(ctx: Ctx) -> bool:
+    from ..kernels import tilelang_ops as ops
+    cfg = ctx.released
+    t0 = time.perf_counter()
+    failed = ops.precompile(ops.builds(cfg))
+    note(f"compiled {len(ops.builds(cfg))} kernels at the released shapes in {time.perf_counter() - t0:.1f} s"
+         + (f"; FAILED: {failed}" if failed else ""))
+    return _kernel_table(cfg, ctx.clock, ops, "cuda") and not failed
+
+
+def rehearse_kernels(ctx: Ctx) -> bool:
+    from ..kernels import tilelang_ops as ops    # the kernel list and the wrappers' argument checks
+    todo = ops.builds(ctx.released)
+    note(f"kernels: would compile {len(todo)} kernels at the released shapes "
+         f"({', '.join(dict.fromkeys(b.name for b in todo))})")
+    small, stand_in = ctx.fixture_config(), TorchKernels(ops)
+    missing = sorted(set(ops.FACTORIES) - {name for name, _, _ in kernel_cases(small, stand_in)})
+    if missing:
+        note(f"kernels: no case tests {', '.join(missing)}")
+    note("kernels: the cases at the fixture's shapes, the torch kernels standing in for TileLang")
+    return _kernel_table(small, ctx.clock, stand_in, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,10 +448,14 @@ def checkpoint_builds(ckpt_dir: str, cfg: dict, world_size: int = 1):
     return list(dict.fromkeys(out))
 
 
-def _warm(ckpt_dir: str, cfg: dict, what: str, world_size: int = 1):
+def _warm(ckpt_dir: str, cfg: dict, what: str, world_size: int = 1, compile_them: bool = True):
+    """Compile the kernels a checkpoint's model calls; the rehearsal only lists them."""
     from ..kernels import tilelang_ops as ops
     t0 = time.perf_counter()
     todo = checkpoint_builds(ckpt_dir, cfg, world_size)
+    if not compile_them:
+        note(f"{what}: would compile {len(todo)} kernels (listed from the shard headers)")
+        return
     failed = ops.precompile(todo)
     note(f"{what}: compiled {len(todo)} kernels in {time.perf_counter() - t0:.1f} s"
          + (f" ({len(failed)} FAILED: {sorted(b.shapes for b in failed)})" if failed else ""))
@@ -286,14 +476,15 @@ def _tail(text: str, n: int = 12) -> str:
     return "\n".join("    " + line for line in text.splitlines()[-n:])
 
 
-def _score(ckpt: str, config: str, score: str, dump: str, backend: str, clock: Clock, world: int = 1):
+def _score(ckpt: str, config: str, score: str, dump: str, flags: list, clock: Clock, world: int = 1,
+           device: str = "cuda"):
     cmd = [sys.executable, os.path.join(ROOT, "generate.py")]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                os.path.join(ROOT, "generate.py")]
     cmd += ["--ckpt-path", ckpt, "--config", config, "--score", score, "--dump-logits", dump,
-            "--device", "cuda", "--kernel-backend", backend]
-    return _run(cmd, clock, f"generate.py --kernel-backend {backend} (W = {world})")
+            "--device", device, *flags]
+    return _run(cmd, clock, f"generate.py {' '.join(flags)} (W = {world})")
 
 
 def _compare(a: str, b: str, clock: Clock, what: str, tolerances=()) -> bool:
@@ -306,21 +497,22 @@ def _compare(a: str, b: str, clock: Clock, what: str, tolerances=()) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # Phase: the conformance fixture with both kernel backends
 
-def phase_fixture(fix: str, clock: Clock, tmp: str) -> bool:
+def phase_fixture(ctx: Ctx) -> bool:
+    fix, clock, tmp = ctx.fixture, ctx.clock, ctx.tmp
     if not os.path.isfile(os.path.join(fix, "reference_logits.safetensors")):
         note(f"fixture: skipped, no reference_logits.safetensors in {fix} (give --fixture DIR)")
         return True
-    with open(os.path.join(fix, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    _warm(fix, cfg, "fixture")    # the subprocess finds them in TileLang's kernel cache
+    cfg = ctx.fixture_config()
+    _warm(fix, cfg, "fixture", compile_them=not ctx.rehearse)  # the subprocess finds them in TileLang's cache
     ok_all = True
     dumps = {}
     for backend in ("torch", "tilelang"):
+        flags = ctx.backend_flags(backend)
         dumps[backend] = os.path.join(tmp, f"fixture-{backend}.safetensors")
         t0 = time.perf_counter()
-        ok, out = _score(fix, os.path.join(fix, "config.json"), os.path.join(fix, "score.json"),
-                         dumps[backend], backend, clock)
-        note(f"fixture scored with --kernel-backend {backend}: {'ok' if ok else 'FAIL'} "
+        ok, out = _score(fix, os.path.join(fix, "config.json"), ctx.score_file(), dumps[backend], flags,
+                         clock, device=ctx.device)
+        note(f"fixture scored with {' '.join(flags)}: {'ok' if ok else 'FAIL'} "
              f"({time.perf_counter() - t0:.1f} s)" + ("" if ok else "\n" + _tail(out)))
         ok_all &= ok and _compare(dumps[backend], os.path.join(fix, "reference_logits.safetensors"), clock,
                                   f"fixture, {backend} vs reference logits")
@@ -362,42 +554,57 @@ def step_bytes(model, batch: int) -> int:
 
 
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - t
 
 
-def phase_bench(released: dict, clock: Clock, tmp: str, backends=("tilelang", "torch")) -> bool:
-    from ..config import ModelArgs, RuntimeOptions
+def phase_bench(ctx: Ctx, backends=("tilelang", "torch")) -> bool:
+    """The released widths on CUDA; in the rehearsal the fixture's widths (and tokenizer), 2 steps, on CPU."""
+    from ..config import ModelArgs
     from .bench import build
-    cfg = bench_config(released)
+    clock, tmp = ctx.clock, ctx.tmp
+    if ctx.rehearse:
+        base, extra = ctx.fixture_config(), ["--tokenizer", ctx.fixture]
+        what = "checkpoint at the fixture's widths"
+        steps, shapes = 2, ((1, 16), (2, 8))
+        note("bench: the torch kernels, the fast order standing in for tilelang; the GB/s say nothing here")
+    else:
+        base, extra, what = ctx.released, [], "full-width checkpoint"
+        steps, shapes = 16, ((1, 1024), (32, 128))
+    cfg = bench_config(base)
     name, cfg_path = "gpucheck", os.path.join(tmp, "bench-config.json")
     with open(cfg_path, "w", encoding="utf-8") as f:
         json.dump(cfg, f)
     hf, ckpt = os.path.join(tmp, f"{name}-hf"), os.path.join(tmp, f"{name}-mp1")
     t0 = time.perf_counter()
-    for what, cmd in (("synthetic checkpoint", [sys.executable, "-m", "inference.tools.synthetic", "--config",
-                                                cfg_path, "--out", hf, "--shards", "8"]),
-                      ("convert.py", [sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf,
-                                      "--save-path", ckpt, "--model-parallel", "1"])):
-        ok, out = _run(cmd, clock, what)
+    steps_to_checkpoint = (
+        ("synthetic checkpoint", [sys.executable, "-m", "inference.tools.synthetic", "--config", cfg_path,
+                                  "--out", hf, "--shards", "8", *extra]),
+        ("convert.py", [sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf, "--save-path",
+                        ckpt, "--model-parallel", "1"]))
+    for what_cmd, cmd in steps_to_checkpoint:
+        ok, out = _run(cmd, clock, what_cmd)
         if not ok:
-            note(f"bench: {what} failed or ran out of time\n{_tail(out)}")
+            note(f"bench: {what_cmd} failed or ran out of time\n{_tail(out)}")
             return False
-    note(f"bench: 2-layer full-width checkpoint written and converted in {time.perf_counter() - t0:.1f} s")
-    _warm(ckpt, cfg, "bench")
-    args = ModelArgs.from_dict(cfg, max_seq_len=1024 + 64, max_batch_size=32, temperature=0.0)
+    note(f"bench: 2-layer {what} written and converted in {time.perf_counter() - t0:.1f} s")
+    _warm(ckpt, cfg, "bench", compile_them=not ctx.rehearse)
+    args = ModelArgs.from_dict(cfg, max_seq_len=max(p for _, p in shapes) + 64,
+                               max_batch_size=max(b for b, _ in shapes), temperature=0.0)
     for backend in backends:
         if clock.left() < 40:
             note(f"bench: out of time, skipped the {backend} backend")
             break
-        runtime = RuntimeOptions.from_profile("reference", kernel_backend=backend)
-        model = build(name, args, tmp, "cuda", runtime)
-        _bench_model(model, backend, clock)
+        model = build(name, args, tmp, ctx.device, ctx.runtime(backend))
+        _bench_model(model, backend, clock, steps, shapes)
         del model
-        torch.cuda.empty_cache()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
     return True
 
 
@@ -426,10 +633,11 @@ def _bench_model(model, backend: str, clock: Clock, steps: int = 16, shapes=((1,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Phase: two ranks with nccl
+# Phase: two ranks with nccl (gloo in the rehearsal)
 
-def phase_tp(fix: str, clock: Clock, tmp: str) -> bool:
-    if torch.cuda.device_count() < 2:
+def phase_tp(ctx: Ctx) -> bool:
+    fix, clock, tmp = ctx.fixture, ctx.clock, ctx.tmp
+    if not ctx.rehearse and torch.cuda.device_count() < 2:
         note(f"tp: skipped, {torch.cuda.device_count()} GPU visible (W = 2 needs two)")
         return True
     cfg_path = os.path.join(fix, "config.json")
@@ -445,37 +653,506 @@ def phase_tp(fix: str, clock: Clock, tmp: str) -> bool:
                            f"convert.py --model-parallel {world}")
         if ok:
             dumps[world] = os.path.join(tmp, f"tp-w{world}.safetensors")
-            ok, out = _score(ckpt, cfg_path, os.path.join(fix, "score.json"), dumps[world], "tilelang", clock,
-                             world)
+            ok, out = _score(ckpt, cfg_path, ctx.score_file(), dumps[world], ctx.backend_flags("tilelang"),
+                             clock, world, device=ctx.device)
     if not ok:
         note(f"tp: FAIL\n{_tail(out)}")
         return False
     # W changes two reductions' rounding (bf16 index scores, fp32 wo_b partials): the project's own W = 2
     # test on the fixture allows 0.35 / 0.05
-    return _compare(dumps[2], dumps[1], clock, "tp, W = 2 vs W = 1 (tilelang, nccl)",
-                    ("--atol-max", "0.35", "--atol-mean", "0.05"))
+    what = "tp, W = 2 vs W = 1 " + ("(torch kernels, gloo)" if ctx.rehearse else "(tilelang, nccl)")
+    return _compare(dumps[2], dumps[1], clock, what, ("--atol-max", "0.35", "--atol-mean", "0.05"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The phases
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One row of the check. run(ctx) on CUDA and rehearse(ctx) on CPU (ctx.rehearse set) return whether
+    every check passed (the same function where the phase reads ctx.rehearse); `budget`: seconds on one
+    H200, compilation included; `checks`: what the real run checks, one line."""
+    name: str
+    budget: int
+    run: Callable[[Ctx], bool]
+    rehearse: Callable[[Ctx], bool]
+    checks: str
+
+
+PHASES = (
+    Phase("kernels", 140, phase_kernels, rehearse_kernels,
+          "every TileLang kernel against its torch reference at the released shapes (bytes, tolerances, "
+          "top-k overlap)"),
+    Phase("fixture", 110, phase_fixture, phase_fixture,
+          "the reference-tiny fixture scored on CUDA with --kernel-backend torch and tilelang, each against "
+          "the reference logits"),
+    Phase("bench", 130, phase_bench, phase_bench,
+          "prefill and decode ms/step and HBM GB/s of a 2-layer full-width model, batch 1 and 32, both "
+          "backends"),
+    Phase("tp", 50, phase_tp, phase_tp,
+          "W = 2 with nccl against W = 1 on a fixture-shaped model (two GPUs; skipped on one)"),
+    # The next phase, once written (its budget then leaves RESERVED; keep the budgets' sum plus
+    # START_UP_SECONDS within TOTAL_SECONDS and the docstring's table in step):
+    # Phase("cudagraph", 40, phase_cudagraph, rehearse_cudagraph,
+    #       "decode logits replayed from a CUDA graph equal the eager ones bit for bit; ms/step both ways"),
+)
+
+
+def rehearse(phases, released: dict, fixture: str, workdir=None) -> int:
+    """Walk each phase's setup on CPU; 1 when any raised or failed."""
+    note(f"gpu-check rehearsal on CPU (torch {torch.__version__}): every phase's setup at reduced shapes, "
+         f"the TileLang kernels replaced by torch; nothing here measures a GPU")
+    tmp = workdir or tempfile.mkdtemp(prefix="gpu-check-rehearsal-")
+    os.makedirs(tmp, exist_ok=True)
+    results, t_all = {}, time.perf_counter()
+    try:
+        for p in phases:
+            note(f"== {p.name} (rehearsal). The real check: {p.checks}; budget {p.budget} s on one H200")
+            t0 = time.perf_counter()
+            try:
+                ctx = Ctx(released, fixture, tmp, Clock(REHEARSAL_PHASE_SECONDS), rehearse=True)
+                ok = bool(p.rehearse(ctx))
+            except Exception as e:  # a typo in a phase's setup: name it, with where it happened
+                tb = traceback.format_exc().strip().splitlines()[-8:]
+                note(f"{p.name}: setup raised {type(e).__name__}: {e}\n" + "\n".join("    " + s for s in tb))
+                ok = False
+            results[p.name] = ok
+            note(f"== {p.name}: {'PASS' if ok else 'FAIL'} ({time.perf_counter() - t0:.1f} s)")
+    finally:
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    failed = [n for n, ok in results.items() if not ok]
+    note(f"rehearsal: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}, {len(results)} phase(s) in "
+         f"{time.perf_counter() - t_all:.1f} s")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wheels for a GPU host without network: `bash run.sh wheels DIR` downloads them, `bash run.sh gpu-check
+# --wheels DIR` installs them into a private folder and runs the check with it on PYTHONPATH.
+
+# A GPU host has Python, torch (with the packages torch itself requires) and numpy: never downloaded.
+HOST_HAS = {"torch", "numpy", "triton", "typing-extensions", "filelock", "sympy", "mpmath", "networkx",
+            "jinja2", "markupsafe", "fsspec", "setuptools", "pip"}
+NEVER = ("torch", "triton", "nvidia-")    # never installed from a wheel folder, whatever it holds
+# In a package's metadata but never imported by the check: tokenizers imports huggingface-hub only in
+# Tokenizer.from_pretrained; the project reads tokenizer.json files.
+NOT_IMPORTED = {"huggingface-hub"}
+TEST_ONLY = {"pytest", "hypothesis", "pytest-xdist"}       # requirements.txt's test tools
+# Imported but missing from a package's metadata (found by tests/test_gpu_check.py, which imports the check's
+# modules with only torch, numpy and the wheels visible): torch_c_dlpack_ext/core.py imports packaging.
+UNDECLARED = {"torch-c-dlpack-ext": ["packaging"]}
+# The manylinux levels of a host that runs torch's CUDA wheels (glibc >= 2.28), newest first.
+PLATFORMS = ([f"manylinux_2_{n}_x86_64" for n in range(28, 4, -1)]
+             + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"])
+MANIFEST = "wheels.json"
+SITE = os.path.join(ROOT, ".device", "site")               # the default private folder (git-ignored)
+NO_NETWORK = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name "
+              "resolution", "Name or service not known", "Network is unreachable", "ConnectTimeoutError",
+              "ProxyError", "Max retries exceeded", "ReadTimeoutError", "Connection refused")
+
+
+class WheelError(Exception):
+    """A problem with the wheels, reported as one line."""
+
+
+def _packaging():
+    """(Requirement, SpecifierSet, default_environment): packaging's, or the copy pip carries."""
+    try:
+        from packaging.markers import default_environment
+        from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
+    except ImportError:
+        from pip._vendor.packaging.markers import default_environment
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
+    return Requirement, SpecifierSet, default_environment
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _never(name: str) -> bool:
+    return any(name == n or (n.endswith("-") and name.startswith(n)) for n in NEVER)
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    _, SpecifierSet, _ = _packaging()
+    try:
+        return SpecifierSet(spec).contains(version, prereleases=True)
+    except ValueError:      # a version string packaging cannot read
+        return False
+
+
+def target_environment(python_version: str) -> dict:
+    """Marker values of CPython `python_version` on Linux x86_64 (no extras)."""
+    _, _, default_environment = _packaging()
+    env = dict(default_environment())
+    env.update(python_version=python_version, python_full_version=python_version + ".0", sys_platform="linux",
+               platform_system="Linux", os_name="posix", platform_machine="x86_64",
+               implementation_name="cpython", platform_python_implementation="CPython", extra="")
+    return env
+
+
+def wheel_metadata(path: str):
+    """(name, version, [Requires-Dist lines]) of a wheel file."""
+    with zipfile.ZipFile(path) as z:
+        meta = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+        if len(meta) != 1:
+            raise WheelError(f"{os.path.basename(path)}: not a wheel (no single .dist-info/METADATA)")
+        msg = email.parser.HeaderParser().parsestr(z.read(meta[0]).decode("utf-8"))
+    return msg["Name"], msg["Version"], msg.get_all("Requires-Dist") or []
+
+
+def _needed(requirements, env, by: str):
+    """(name, specifier, by) for requirement lines that apply to `env` and that a GPU host may lack."""
+    Requirement, _, _ = _packaging()
+    out = []
+    for line in requirements:
+        req = Requirement(line)
+        name = canonical(req.name)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        if name in HOST_HAS or name in NOT_IMPORTED or name in TEST_ONLY or _never(name):
+            continue
+        out.append((name, str(req.specifier), by))
+    return out
+
+
+def project_requirements(path: str = os.path.join(ROOT, "requirements.txt")) -> list:
+    with open(path, encoding="utf-8") as f:
+        lines = [ln.split("#", 1)[0].strip() for ln in f]
+    reqs = [ln for ln in lines if ln and not ln.startswith("-")]
+    return sorted(reqs, key=lambda r: not canonical(r).startswith("tilelang"))      # tilelang first
+
+
+def _pip_download(requirements, dest: str, python_version: str) -> list:
+    """pip download, one wheel per requirement, no dependencies; returns the paths pip reports."""
+    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps", "--python-version",
+           python_version, "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)],
+           "--dest", dest, "--retries", "1", "--timeout", "30", "--progress-bar", "off",
+           "--disable-pip-version-check", *requirements]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    text = p.stdout + p.stderr
+    if p.returncode != 0:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        if any(s in text for s in NO_NETWORK):
+            why = re.search(r"Failed to establish a new connection: [^'\"]*|Temporary failure in name "
+                            r"resolution|Name or service not known|Network is unreachable|Connection refused|"
+                            r"Read timed out|ProxyError|Max retries exceeded", text)
+            where = re.search(r"Looking in indexes: (.*)", text)
+            raise WheelError("no network: pip could not reach the package index"
+                             + (" " + where.group(1).strip() if where else "")
+                             + f" ({why.group(0).rstrip(')') if why else 'connection failed'})")
+        missing = re.search(r"No matching distribution found for (\S+)", text)
+        if missing:
+            versions = re.search(r"\(from versions: ([^)]*)\)", text)
+            found = versions.group(1) if versions else "none"
+            raise WheelError(f"no wheel of {missing.group(1)} for Python {python_version} on manylinux "
+                             f"x86_64 (versions with such a wheel: {found})")
+        raise WheelError(f"pip download failed: {lines[-1] if lines else p.returncode}")
+    found = re.findall(r"^\s*(?:Saved|File was already downloaded)\s+(.+\.whl)\s*$", text, re.M)
+    return [os.path.abspath(f) for f in found]
+
+
+def download_wheels(dest: str, python_version: str, requirements=None) -> list:
+    """Download the wheels a GPU host with Python `python_version`, torch and numpy needs for the check:
+    the project's requirements other than HOST_HAS and the test tools, and their dependencies from each
+    wheel's metadata, recursively. Writes DEST/wheels.json; returns its records."""
+    if not re.fullmatch(r"3\.\d{1,2}", python_version):
+        raise WheelError(f"unknown --python-version {python_version!r} (expected 3.N, e.g. 3.12)")
+    env = target_environment(python_version)
+    os.makedirs(dest, exist_ok=True)
+    specs, by_of, got = {}, {}, {}
+    roots = requirements if requirements is not None else project_requirements()
+    todo = _needed(roots, env, "requirements.txt")
+    while todo:
+        batch = []
+        for name, spec, by in todo:
+            specs.setdefault(name, [])
+            if spec and spec not in specs[name]:
+                specs[name].append(spec)
+            by_of.setdefault(name, by)
+            if name in got:
+                if not _satisfies(got[name]["version"], ",".join(specs[name])):
+                    raise WheelError(f"{by} needs {name}{spec}, but {got[name]['file']} was chosen for "
+                                     f"{got[name]['requirement']}")
+            elif name not in batch:
+                batch.append(name)
+        todo = []
+        if not batch:
+            break
+        paths = _pip_download([name + ",".join(specs[name]) for name in batch], dest, python_version)
+        for path in paths:
+            dist, version, requires = wheel_metadata(path)
+            name = canonical(dist)
+            if name not in batch or name in got:
+                continue
+            got[name] = {"file": os.path.basename(path), "name": name, "version": version,
+                         "requirement": name + ",".join(specs[name]), "needed_by": by_of[name],
+                         "bytes": os.path.getsize(path)}
+            todo += _needed(requires + UNDECLARED.get(name, []), env, name)
+        lost = [n for n in batch if n not in got]
+        if lost:
+            raise WheelError(f"pip download reported no wheel for {', '.join(lost)}")
+    records = list(got.values())
+    with open(os.path.join(dest, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({"python_version": python_version, "platforms": PLATFORMS[0] + " and older",
+                   "wheels": records}, f, indent=1)
+        f.write("\n")
+    return records
+
+
+def _stored(wheel: str, out: str):
+    """Copy a wheel with every member stored uncompressed: the same files (so the same RECORD hashes), a
+    valid wheel, and raw libraries for xz to compress (deflated ones it cannot shrink)."""
+    with zipfile.ZipFile(wheel) as zi, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zo:
+        for info in zi.infolist():
+            zo.writestr(info, zi.read(info), compress_type=zipfile.ZIP_STORED)
+
+
+def pack_wheels(dest: str, records) -> str:
+    """DEST.tar.xz (xz preset 9, `xz -T0` when the xz program is there) holding the manifest and the wheels
+    it lists, flat, each wheel stored uncompressed (_stored): half the size of the wheels as downloaded."""
+    out = os.path.normpath(dest) + ".tar.xz"
+    xz = shutil.which("xz")
+    with tempfile.TemporaryDirectory() as scratch, open(out + ".tmp", "wb") as f:
+        proc = subprocess.Popen([xz, "-9", "-T0", "-c"], stdin=subprocess.PIPE, stdout=f) if xz else None
+        try:
+            with (tarfile.open(fileobj=proc.stdin, mode="w|") if proc else
+                  tarfile.open(fileobj=f, mode="w:xz", preset=9)) as tar:
+                tar.add(os.path.join(dest, MANIFEST), arcname=MANIFEST)
+                for r in records:
+                    copy = os.path.join(scratch, r["file"])
+                    _stored(os.path.join(dest, r["file"]), copy)
+                    tar.add(copy, arcname=r["file"])
+                    os.remove(copy)
+        finally:
+            if proc:
+                proc.stdin.close()
+                proc.wait()
+        if proc and proc.returncode:
+            raise WheelError(f"xz failed (exit status {proc.returncode}) writing {out}")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def _unpack(archive: str, folder: str) -> str:
+    """Extract a packed wheel folder (flat: wheels.json and *.whl) into `folder`, unless already there."""
+    st = os.stat(archive)
+    stamp = os.path.join(folder, ".from")
+    mark = f"{os.path.abspath(archive)} {st.st_size} {st.st_mtime_ns}"
+    if os.path.isfile(stamp) and open(stamp, encoding="utf-8").read() == mark:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    try:
+        with tarfile.open(archive) as tar:
+            for m in tar.getmembers():
+                if m.isfile() and "/" not in m.name and (m.name == MANIFEST or m.name.endswith(".whl")):
+                    with tar.extractfile(m) as src, open(os.path.join(folder, m.name), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise WheelError(f"{archive}: not a readable archive ({e})")
+    with open(stamp, "w", encoding="utf-8") as f:
+        f.write(mark)
+    return folder
+
+
+def _archive_manifest(archive: str):
+    """The manifest of a packed wheel folder (its first member), or None."""
+    try:
+        with tarfile.open(archive, "r|*") as tar:
+            for m in tar:
+                if m.name == MANIFEST and m.isfile():
+                    return json.load(tar.extractfile(m))
+    except (tarfile.TarError, EOFError, OSError, ValueError) as e:
+        raise WheelError(f"{archive}: not a readable archive ({e})")
+    return None
+
+
+def _python_of(spec, src: str, here: str):
+    if spec is not None and spec.get("python_version") != here:
+        raise WheelError(f"the wheels in {src} are for Python {spec.get('python_version')}, this is Python "
+                         f"{here} (make them with: bash run.sh wheels DIR --python-version {here})")
+
+
+def _host_versions(exclude: str) -> dict:
+    """{name: version} of the distributions this Python sees, `exclude` (the private folder) left out."""
+    import importlib.metadata as md
+    exclude = os.path.abspath(exclude)
+    path = [p for p in sys.path if os.path.abspath(p or ".") != exclude
+            and not os.path.abspath(p or ".").startswith(exclude + os.sep)]
+    out = {}
+    for d in md.distributions(path=path):
+        name = d.metadata["Name"]
+        if name:
+            out.setdefault(canonical(name), d.version)
+    return out
+
+
+def install_wheels(src: str, target: str = SITE, everything: bool = False) -> list:
+    """Install the wheels of `src` (a folder from download_wheels, or its .tar.xz) that the host lacks into
+    `target` with pip --no-index --no-deps, then check that tilelang imports with `target` on PYTHONPATH.
+    `everything`: install every wheel, even those the host has. Returns the installed records."""
+    src, target = os.path.abspath(src), os.path.abspath(target)
+    if not os.path.exists(src):
+        raise WheelError(f"{src}: no such folder or archive (make one with: bash run.sh wheels DIR [--pack])")
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    folder = src
+    if os.path.isfile(src):
+        _python_of(_archive_manifest(src), src, here)       # before unpacking: its first member
+        stem = re.sub(r"\.tar(\.xz|\.gz|\.bz2)?$|\.t[gx]z$", "", os.path.basename(src))
+        folder = _unpack(src, os.path.join(os.path.dirname(target), "wheels", stem))
+    manifest = os.path.join(folder, MANIFEST)
+    if os.path.isfile(manifest):
+        with open(manifest, encoding="utf-8") as f:
+            spec = json.load(f)
+        _python_of(spec, src, here)
+        records = spec["wheels"]
+    else:       # a folder of wheels made by hand: each pinned to its own version
+        records = []
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".whl"):
+                name, version = canonical(f.split("-")[0]), f.split("-")[1]
+                records.append({"file": f, "name": name, "version": version,
+                                "requirement": f"{name}=={version}"})
+    if not records:
+        raise WheelError(f"no wheels in {src} (make them with: bash run.sh wheels DIR)")
+    absent = [r["file"] for r in records if not os.path.isfile(os.path.join(folder, r["file"]))]
+    if absent:
+        raise WheelError(f"{src} lacks {', '.join(absent)} (listed in its {MANIFEST})")
+    host = _host_versions(target)
+    chosen, kept = [], []
+    for r in records:
+        if _never(r["name"]):
+            note(f"wheels: {r['file']} left out (torch, triton and nvidia-* come with the host)")
+            continue
+        have = host.get(r["name"])
+        if not everything and have is not None and _satisfies(have, r["requirement"][len(r["name"]):]):
+            kept.append(f"{r['name']} {have}")
+        else:
+            chosen.append(r)
+    stamp = os.path.join(target, ".wheels")
+    want = "\n".join(sorted(r["file"] for r in chosen))
+    if os.path.isfile(stamp) and open(stamp, encoding="utf-8").read() == want:
+        note(f"wheels: {target} already holds {len(chosen)} of them")
+    else:
+        tmp = target + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if chosen:
+            cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--no-index", "--no-deps",
+                   "--find-links", folder, "--target", tmp, "--no-cache-dir", "--no-warn-script-location",
+                   "--disable-pip-version-check", "-q", *[os.path.join(folder, r["file"]) for r in chosen]]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+                raise WheelError(f"pip install --no-index into {target} failed: {lines[-1] if lines else ''}")
+        with open(os.path.join(tmp, ".wheels"), "w", encoding="utf-8") as f:
+            f.write(want)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        note(f"wheels: installed into {target}: "
+             + (", ".join(f"{r['name']} {r['version']}" for r in chosen) or "nothing"))
+    if kept:
+        note(f"wheels: the host's own: {', '.join(kept)}")
+    code = ("import os, tilelang, tilelang.env as e; n = os.path.join(e.CUDA_HOME or '', 'bin', 'nvcc'); "
+            "print(tilelang.__version__, tilelang.__file__, n if os.path.isfile(n) else '-')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [target, os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        raise WheelError(f"tilelang does not import with {target} on PYTHONPATH: "
+                         f"{lines[-1] if lines else p.returncode}")
+    version, where, nvcc = (p.stdout.strip().splitlines() or [""])[-1].split(" ")
+    note(f"wheels: tilelang {version} imports from {os.path.dirname(os.path.dirname(where))}; nvcc: "
+         + (nvcc if nvcc != "-" else "none found, so no kernel can compile (TileLang looks at CUDA_HOME, "
+                                     "PATH, /usr/local/cuda)"))
+    return chosen
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def wheels_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="bash run.sh wheels", description="Download the wheels an offline GPU "
+                                 "host needs for the device check (docs/cli.md §4.3).")
+    ap.add_argument("dir", help="folder to write the wheels and wheels.json into (created)")
+    ap.add_argument("--python-version", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+                    help="the GPU host's Python, 3.N (default: this interpreter's)")
+    ap.add_argument("--pack", action="store_true", help="also write DIR.tar.xz (xz preset 9)")
+    opts = ap.parse_args(argv)
+    try:
+        t0 = time.perf_counter()
+        records = download_wheels(opts.dir, opts.python_version)
+        for r in records:
+            note(f"  {r['name']:20s} {r['version']:12s} {_mb(r['bytes']):>9s}  (for {r['needed_by']})")
+        total = sum(r["bytes"] for r in records)
+        note(f"wrote {len(records)} wheels, {_mb(total)}, for Python {opts.python_version} to {opts.dir} "
+             f"in {time.perf_counter() - t0:.0f} s")
+        if opts.pack:
+            t0 = time.perf_counter()
+            out = pack_wheels(opts.dir, records)
+            note(f"packed into {out}: {_mb(os.path.getsize(out))} in {time.perf_counter() - t0:.0f} s")
+        note(f"on the GPU host: bash run.sh gpu-check --wheels {out if opts.pack else opts.dir}")
+    except (WheelError, OSError) as e:
+        print(f"run.sh: error: wheels: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def install_wheels_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="bash run.sh gpu-check --wheels", description="Install the wheels of a "
+                                 "folder or archive from `bash run.sh wheels` into a private folder.")
+    ap.add_argument("src", help="the folder, or its .tar.xz")
+    ap.add_argument("--target", default=SITE,
+                    help=f"the private folder (default {os.path.relpath(SITE, ROOT)})")
+    ap.add_argument("--all", action="store_true", help="install every wheel, also those the host has")
+    opts = ap.parse_args(argv)
+    try:
+        install_wheels(opts.src, opts.target, opts.all)
+    except (WheelError, OSError, subprocess.SubprocessError) as e:
+        print(f"run.sh: error: gpu-check --wheels: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["wheels"]:
+        return wheels_main(argv[1:])
+    if argv[:1] == ["install-wheels"]:
+        return install_wheels_main(argv[1:])
+    names = [p.name for p in PHASES]
     ap = argparse.ArgumentParser(prog="python -m inference.tools.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default=FIXTURE, help="conformance fixture directory")
-    ap.add_argument("--budget", type=float, default=450, help="seconds for the whole check (default 450)")
-    ap.add_argument("--phases", default=",".join(PHASES),
-                    help=f"comma-separated subset of {', '.join(PHASES)}")
+    default_budget = sum(p.budget for p in PHASES)
+    ap.add_argument("--budget", type=float, default=default_budget,
+                    help=f"seconds for the whole check (default {default_budget}, the phases' budgets "
+                         f"summed)")
+    ap.add_argument("--phases", default=",".join(names), help=f"comma-separated subset of {', '.join(names)}")
     ap.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one, removed)")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="walk every phase's setup on CPU at reduced shapes (no GPU needed)")
     opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    if not opts.rehearse and not torch.cuda.is_available():
         print("gpu-check needs CUDA: no CUDA device is visible")
         return 2
     phases = [p for p in opts.phases.split(",") if p]
-    unknown = [p for p in phases if p not in PHASES]
+    unknown = [p for p in phases if p not in names]
     if unknown:
-        ap.error(f"unknown phase(s) {unknown}; known: {', '.join(PHASES)}")
+        ap.error(f"unknown phase(s) {unknown}; known: {', '.join(names)}")
+    phases = [next(q for q in PHASES if q.name == p) for p in phases]
     with open(os.path.join(ROOT, "config.json"), encoding="utf-8") as f:
         released = json.load(f)
+    if opts.rehearse:
+        return rehearse(phases, released, opts.fixture, opts.workdir)
     clock = Clock(opts.budget)
     note(f"gpu-check on {torch.cuda.get_device_name()} (x{torch.cuda.device_count()}), "
          f"torch {torch.__version__}, budget {opts.budget:.0f} s")
@@ -484,25 +1161,18 @@ def main(argv=None) -> int:
     results = {}
     try:
         for p in phases:
-            c = clock.phase(PHASES[p])
+            c = clock.phase(p.budget)
             if c.left() < 10:
-                note(f"== {p}: skipped, the run's budget is spent")
+                note(f"== {p.name}: skipped, the run's budget is spent")
                 continue
-            note(f"== {p} (budget {c.left():.0f} s)")
+            note(f"== {p.name} (budget {c.left():.0f} s)")
             t0 = time.perf_counter()
             try:
-                if p == "kernels":
-                    results[p] = phase_kernels(released, c)
-                elif p == "fixture":
-                    results[p] = phase_fixture(opts.fixture, c, tmp)
-                elif p == "bench":
-                    results[p] = phase_bench(released, c, tmp)
-                else:
-                    results[p] = phase_tp(opts.fixture, c, tmp)
+                results[p.name] = p.run(Ctx(released, opts.fixture, tmp, c))
             except Exception as e:  # report the phase as failed, run the next one
-                note(f"{p}: FAIL ({type(e).__name__}: {e})")
-                results[p] = False
-            note(f"== {p}: {'ok' if results[p] else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
+                note(f"{p.name}: FAIL ({type(e).__name__}: {e})")
+                results[p.name] = False
+            note(f"== {p.name}: {'ok' if results[p.name] else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
     finally:
         if opts.workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
