@@ -23,6 +23,7 @@ from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import CheckpointError, check_checkpoint_dir, check_writable, load_model
 from inference.engine.errors import InputError
 from inference.engine.generation import Runner, SpecOptions
+from inference.engine.prefill import prefill_chunk_for
 from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn, read_batch_prompts,
                                       read_score_file)
 from inference.engine.scoring import score_to_file
@@ -138,6 +139,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="thinking effort: 1..100 or low / high / max (default high = 75); a JSON case's own wins")
     add("--max-batch-size", type=int, default=None, help="rows per forward (config, 4; chat 1)")
     add("--max-seq-len", type=int, default=None, help="prompt + answer (config, 4096; chat 65536)")
+    add("--prefill-chunk", type=int, default=None, help="prefill prompts in calls of at most N tokens (memory"
+        " grows with N, not the prompt); default: one call when the memory plan allows it, else its largest")
     add("--seed", type=int, default=DEFAULT_SEED, help=f"RNG seed, every rank (default {DEFAULT_SEED})")
     add("--numerics", default="reference", help="words joined by commas (README, Numerics): reference | "
         "golden (fp32, no fake quantization); fixed (= --fix-index-k); exact | fast | invariant (summation "
@@ -281,7 +284,7 @@ def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int, token_typ
     o, r = sess.opts, sess.runner
     out = score_to_file(r.model, seqs, prefill_len, o.dump_logits, {"numerics": o.numerics}, o.capture_blocks,
                         all_prefill_logits=o.all_prefill_logits, stats=r.stats, dspark=o.dspark,
-                        token_types=token_types, images=images)
+                        token_types=token_types, images=images, prefill_chunk=r.prefill_chunk)
     if o.capture_blocks:
         sess.log.info(f"wrote {o.capture_blocks}")
     sess.log.info(f"wrote {o.dump_logits}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in out.items()))
@@ -307,6 +310,7 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
+    sess.runner.prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
                                    log.info, offload=o.offload, dspark=o.dspark or spec is not None)
     start = time.perf_counter()

@@ -75,7 +75,8 @@ class Attention(nn.Module):
             self.indexer = Indexer(layer_id, ctx)
 
     def rollback(self, keep_until: int) -> None:
-        """Undo the ring writes of an extend call for positions > keep_until."""
+        """Undo the ring writes of a verification call for positions > keep_until (slots it overwrote that
+        positions <= keep_until still need get the values they held before the call)."""
         if self.journal is None:
             return
         start, s, ring = self.journal
@@ -127,16 +128,18 @@ class Attention(nn.Module):
             kv_win, offset = self.kv_cache[:b], self.window
             idx_win = window_decode_idx(start_pos, self.window, x.device).expand(b, 1, -1)
         else:
-            # Extend (project addition, docs/architecture.md §11.6): every row sees what a single-token
-            # decode at its position would see. The ring as it was, then the chunk's rows; slots are
-            # journaled for rollback.
-            if s > self.window:
-                raise ValueError(f"an extend call takes at most window_size={self.window} tokens")
-            kv_win, offset = torch.cat([self.kv_cache[:b].clone(), kv], dim=1), self.window + s
+            # Several positions at start_pos > 0 (a prefill continued in chunks, or speculative verification,
+            # docs/architecture.md §11.6): every row sees, in a decode step's layout, the ring as it was
+            # before the call (positions before the chunk), then the chunk's own rows. The ring keeps the
+            # chunk's last window positions; a verification call (at most window positions) journals what
+            # it held, for rollback.
+            kv_win, offset = torch.cat([self.kv_cache[:b], kv], dim=1), self.window + s     # [B, W + S, hd]
             idx_win = window_extend_idx(start_pos, s, self.window, x.device).expand(b, s, -1)
-            slots = torch.arange(start_pos, end, device=x.device) % self.window
-            self.journal = (start_pos, s, kv_win[:, :self.window].clone())
-            self.kv_cache[:b, slots] = kv
+            verify = self.ctx.decode_shapes
+            self.journal = (start_pos, s, kv_win[:, :self.window].clone()) if verify else None
+            keep = min(s, self.window)
+            slots = torch.arange(end - keep, end, device=x.device) % self.window
+            self.kv_cache[:b, slots] = kv[:, s - keep:]
         if self.ratio == 0:
             kv_all, idx = kv_win, idx_win
         else:

@@ -35,20 +35,27 @@ class Compressor(nn.Module):
         if self.ratio == 1:
             return self.norm(self.wkv(x))                            # [B, S, hd]
         xf = x.float()
-        kv = self.ctx.per_position(self.wkv, xf)                     # [B, S, hd] fp32 (extend: a decode
-        score = self.ctx.per_position(self.wgate, xf)                # step's GEMM shape per position)
-        if start_pos == 0:
-            n = s // 2
-            if s % 2:
+        kv = self.ctx.per_position(self.wkv, xf)                     # [B, S, hd] fp32 (verification: a
+        score = self.ctx.per_position(self.wgate, xf)                # decode step's shape per position)
+        if start_pos == 0 or s > 1 and not self.ctx.decode_shapes:
+            # A prefill, or a chunk of one: whole groups pooled at once. A group the last call left open
+            # (start_pos odd) starts with the carried tail; an odd last token becomes the new tail.
+            if start_pos % 2:
+                kv = torch.cat([self.kv_state[:b, :1], kv], dim=1)
+                score = torch.cat([self.score_state[:b, :1], score], dim=1)
+            m = kv.shape[1]
+            n = m // 2
+            if m % 2:
                 self.kv_state[:b, 0] = kv[:, -1]
                 self.score_state[:b, 0] = score[:, -1]
+            self.journal = None
             if n == 0:
                 return None
             kv = kv[:, :2 * n].unflatten(1, (n, 2))                  # [B, n, 2, hd]
             score = score[:, :2 * n].unflatten(1, (n, 2))
             pooled = self._pool(kv, score, 2)                        # [B, n, hd]
         else:
-            # Decode, or an extend processed position by position exactly as decode does.
+            # Decode, or a verification call processed position by position exactly as decode does.
             if s > 1:
                 self.journal = (start_pos, self.kv_state[:b].clone(), self.score_state[:b].clone(), kv, score)
             pooled = []

@@ -243,6 +243,9 @@ class RuntimeOptions:
                               f"tilelang)")
         if order:
             opts.order = order[0]
+        # Which of several exactly tied top-k entries torch keeps depends on the tensor's shape: the invariant
+        # order breaks ties by the lowest index, or chunking and batching would move its bits.
+        opts.deterministic_topk = opts.deterministic_topk or opts.order == "invariant"
         if opts.order not in ORDERS:
             raise ConfigError(f"unknown summation order {opts.order!r} (expected one of {', '.join(ORDERS)})")
         if opts.engram_on not in ENGRAM_PLACEMENTS:

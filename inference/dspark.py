@@ -83,12 +83,9 @@ class DSpark(nn.ModuleList):
         start_pos = 0 only seeds the rings and returns None; otherwise returns
         (draft ids [B, blk+1], draft logits [B, blk, V] fp32 with the Markov bias, confidence [B, blk])."""
         a = self.ctx.args
-        first = self[0]
-        main_x = first.main_norm(first.main_proj(main_hidden))                   # [B, m, D]
         if start_pos == 0:
-            for stage in self:
-                stage.attn.write_main_kv(main_x, 0)
-            return None
+            return self.seed(main_hidden, 0)
+        main_x = self.main_x(main_hidden)                                        # [B, m, D]
         embed, _ = self._shared
         b, blk = input_ids.shape[0], a.dspark_block_size
         ids = torch.full((b, blk), a.dspark_noise_token_id, dtype=torch.long, device=input_ids.device)
@@ -99,6 +96,19 @@ class DSpark(nn.ModuleList):
         for stage in self:
             x, pre = stage(x, start_pos, pre, None, main_x=main_x)
         return self.forward_head(x, pre, input_ids)
+
+    def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        first = self[0]
+        return first.main_norm(first.main_proj(main_hidden))
+
+    @torch.inference_mode()
+    def seed(self, main_hidden: torch.Tensor, start_pos: int) -> None:
+        """Write the main model's KV of positions start_pos.. (main_hidden [B, m, n_targets*D], one prefill
+        call's) into every stage's ring, drafting nothing: a prompt prefilled in chunks seeds chunk by
+        chunk."""
+        main_x = self.main_x(main_hidden)                                        # [B, m, D]
+        for stage in self:
+            stage.attn.write_main_kv(main_x, start_pos)
 
     def forward_head(self, x: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor):
         a = self.ctx.args

@@ -73,8 +73,8 @@ class Indexer(nn.Module):
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
             self.k_cache[:b, first:first + n] = k
             st.index_k = self.k_cache
-        elif self.owns_keys and self.ctx.opts.fix_index_k_publish:
-            st.index_k = self.k_cache
+        elif self.owns_keys and (self.ctx.opts.fix_index_k_publish or self.ctx.prefilling):
+            st.index_k = self.k_cache        # a prefill chunk publishes what the whole prefill would have
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end], nx)
         nx.fp4_qdq_e8m0_(q)
@@ -82,10 +82,10 @@ class Indexer(nn.Module):
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
-        if (start_pos > 0 and s > 1 and self.owns_keys and not self.ctx.opts.fix_index_k_publish
+        if (s > 1 and self.ctx.decode_shapes and self.owns_keys and not self.ctx.opts.fix_index_k_publish
                 and st.index_k_at_call_start is not None and r > 1):
-            # Extend in reference numerics: a row whose group is still incomplete would, decoded alone, not
-            # have published its keys and would score against the stale published cache
+            # Verification in reference numerics: a row whose group is still incomplete would, decoded alone,
+            # not have published its keys and would score against the stale published cache
             # (docs/numerics.md §14.1).
             stale_score = nx.index_scores(q, st.index_k_at_call_start[:b, :t], w, self.ctx.par)
             incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0

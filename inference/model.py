@@ -1,6 +1,6 @@
 """Transformer: embedding, Engram hashing, the stack of Blocks, the head, the DSpark draft head and the vision
 tower; prefill, decode, extend and rollback (docs/architecture.md §3-5)."""
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -84,48 +84,59 @@ class Transformer(nn.Module):
             layer.attn.rollback(keep_until)
 
     def merge_images(self, h: torch.Tensor, images, token_types, start_pos: int) -> None:
-        """Overwrite each image span of h with the aligner rows and the learned start/newline/end vectors.
-        images: per batch row, a list of vision.ImageInput with `.start` set (docs/architecture.md §10.5)."""
+        """Overwrite each image span of h (the rows of positions start_pos...) with the aligner rows and the
+        learned start/newline/end vectors. images: per batch row, a list of vision.ImageInput with `.start`
+        set (docs/architecture.md §10.5); spans outside the call are left to their own chunk."""
         if self.vision is None:
             raise ValueError("this model was built without the vision tower (vision_n_layers = 0 or "
                              "--language-model-only): prompts with images are not supported")
-        if start_pos != 0 or token_types is None:
-            raise ValueError("image spans must be prefilled in a single chunk at start_pos 0, "
-                             "with token_types")
+        if token_types is None:
+            raise ValueError("image spans need token_types")
+        end = start_pos + h.shape[1]
         for b, row in enumerate(images):
             for img in row or []:
+                if img.start + img.n_tokens <= start_pos or img.start >= end:
+                    continue                                     # a span of another prefill chunk
                 rows = encode_image(self.vision, self.aligner, img.patches.to(h.device),
                                     img.n_vit_h, img.n_vit_w)
                 span = image_span_embeddings(rows, img.n_llm_h, img.n_llm_w, self.image_start,
                                              self.image_newline, self.image_end)
-                if img.start < 0 or img.start + span.shape[0] > h.shape[1]:
+                first = img.start - start_pos                   # the span's first row in this chunk
+                if first < 0 or first + span.shape[0] > h.shape[1]:
                     raise ValueError(f"image span at {img.start} (length {span.shape[0]}) does not fit the "
-                                     f"prefill chunk of {h.shape[1]} tokens")
-                h[b, img.start:img.start + span.shape[0]] = span
+                                     f"prefill chunk of positions {start_pos}..{start_pos + h.shape[1] - 1}")
+                h[b, first:first + span.shape[0]] = span
 
-    def check_inputs(self, input_ids: torch.Tensor, start_pos: int) -> None:
+    def check_inputs(self, input_ids: torch.Tensor, start_pos: int, prefill: bool) -> None:
         b, s = input_ids.shape
         a = self.args
         if b > a.max_batch_size:
             raise ValueError(f"batch of {b} exceeds max_batch_size={a.max_batch_size}")
         if start_pos + s > a.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
-        if start_pos > 0 and s > a.window_size:
-            raise ValueError(f"an extend call (start_pos > 0) takes at most "
-                             f"window_size={a.window_size} tokens")
+        if not prefill and s > a.window_size:
+            raise ValueError(f"a verification call (several positions at start_pos > 0, not a prefill) "
+                             f"takes at most window_size={a.window_size} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
                 token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
-                capture: Optional[Dict[str, List[torch.Tensor]]] = None):
-        """input_ids [B, S] -> (next_ids [B], logits [B, V] (or [B, S, V] with all_logits) fp32,
-        main_hidden [B, S, len(targets)*D] bf16 or None).
+                capture: Optional[Dict[str, List[torch.Tensor]]] = None, prefill: Optional[bool] = None):
+        """input_ids [B, S] at positions [start_pos, start_pos + S) -> (next_ids [B], logits [B, V] (or
+        [B, S, V] with all_logits) fp32, main_hidden [B, S, len(targets)*D] bf16 or None).
+
+        `prefill` (default: start_pos == 0): the call prefills a prompt, or continues its prefill in chunks
+        of any length, computing what one call over the whole prompt computes (the same bits in invariant
+        numerics). Otherwise every row is a decode step at its position: S = 1 decodes; S > 1 (at most
+        window_size) verifies speculative drafts, each row equal to decoding it alone, and rollback() forgets
+        the rows that were not accepted. Image spans may sit in any prefill chunk, each inside one.
 
         `capture` (parity bisection, inference/parity.py) receives lists of this call's tensors:
         one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
         engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
         a = self.args
-        self.check_inputs(input_ids, start_pos)
+        prefill = start_pos == 0 if prefill is None else prefill
+        self.check_inputs(input_ids, start_pos, prefill)
         b, s = input_ids.shape
         image_mask = token_types >= 0 if token_types is not None else None
         engram_mask = ~image_mask if image_mask is not None else None
@@ -142,10 +153,26 @@ class Transformer(nn.Module):
         x = h.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                               # [B, S, hc, D]
         pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1                                                              # one-hot on stream 0
-        main_hiddens = []
         self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
-        self.ctx.decode_shapes = start_pos > 0 and s > 1       # extend: per-token parts in decode shapes
         self.ctx.shared.candidates = None   # written and read within a call; None = not computed in this one
+        self.ctx.prefilling, self.ctx.decode_shapes = prefill, not prefill and s > 1
+        try:
+            x, pre, main_hidden = self.blocks(x, pre, start_pos, hashes, image_mask, engram_mask, capture)
+            x = self.norm(hc_pre(x, pre, self.nx))
+            if capture is not None:
+                capture["final_norm"] = [x]
+            # Verification: per-position GEMVs, so every verified position's logits equal decoding it alone.
+            logits = self.head(x, all_positions=all_logits)                         # [B, V] / [B, S, V]
+        finally:
+            self.ctx.prefilling = self.ctx.decode_shapes = False
+        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature, self.nx)
+        return next_ids, logits, main_hidden
+
+    def blocks(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, hashes, image_mask, engram_mask,
+               capture) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The stack: x [B, S, hc, D] -> (x, the last block's pre mix, DSpark's main_hidden or None)."""
+        a = self.args
+        main_hiddens = []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 rows = hashes[:, :, a.engram_layer_ids.index(i)]
@@ -162,12 +189,4 @@ class Transformer(nn.Module):
                     capture[f"indexer_idxs.layer{i}"] = [self.ctx.shared.topk_idxs]
                 if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
                     capture["candidates"] = [self.ctx.shared.candidates]
-        x = self.norm(hc_pre(x, pre, self.nx))
-        if capture is not None:
-            capture["final_norm"] = [x]
-        # Extend: per-position GEMVs, so every verified position's fp32 logits equal decoding it alone.
-        logits = self.head(x, all_positions=all_logits)                             # [B, V] / [B, S, V]
-        self.ctx.decode_shapes = False
-        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature, self.nx)
-        main_hidden = torch.cat(main_hiddens, dim=-1) if main_hiddens else None
-        return next_ids, logits, main_hidden
+        return x, pre, torch.cat(main_hiddens, dim=-1) if main_hiddens else None

@@ -41,9 +41,12 @@ class ModelContext:
     window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
-    # True during a backbone extend call (speculative verification): per-token computations whose rounding
-    # depends on the tensor's size (fp32 GEMMs; transcendental ops on a few elements, vectorized or not)
-    # then run one position at a time, as a decode step runs them, so verification equals decoding exactly.
+    # True during a prefill call or a chunk of one (the index-key owners publish as one call would).
+    prefilling: bool = False
+    # True during the speculative verification of several positions: per-token computations whose rounding
+    # depends on the tensor's size (fp32 GEMMs; transcendental ops on a few elements, vectorized or not) run
+    # one position at a time, as a decode step runs them, so that verification equals decoding exactly; and
+    # the indexer keeps each row's decode-step view of the published keys.
     decode_shapes: bool = False
 
     def __post_init__(self):

@@ -54,7 +54,7 @@ def test_prefill_in_one_call_and_in_chunks(model, seq, chunk):
     model.reset()
     parts = [model(ids[:, :chunk], 0, all_logits=True)[1]]
     for start in range(chunk, LEN, chunk):
-        parts.append(model(ids[:, start:start + chunk], start, all_logits=True)[1])
+        parts.append(model(ids[:, start:start + chunk], start, all_logits=True, prefill=True)[1])
     assert torch.equal(torch.cat(parts, dim=1), whole)
 
 

@@ -120,12 +120,15 @@ class ToyModel(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))       # the loop reads the device from here
         self.mtp = self
 
-    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False):
+    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None):
         logits = self.lp[ids]                                                   # [B, S, V]
         nxt = torch.multinomial(logits[:, -1].exp(), 1).view(-1)
         return nxt, (logits if all_logits else logits[:, -1]), ids.float().unsqueeze(-1)
 
     def rollback(self, keep_until):
+        pass
+
+    def seed(self, hidden, start_pos):
         pass
 
     def forward_spec(self, x, hidden, start_pos):
@@ -239,7 +242,7 @@ def plain_greedy(model, prompt, n):
     """generate.py's plain loop for one prompt (the same calls as generate()), recording each token's
     top-1/top-2 logit margin."""
     model.args.temperature = 0.0
-    nxt, logits = generation.prefill(model, torch.tensor([prompt]))
+    nxt, logits, _ = generation.prefill(model, torch.tensor([prompt]))
     tokens, margins = [], []
     while True:
         top2 = logits[0].topk(2).values
@@ -262,7 +265,7 @@ def plain_greedy_batch(model, prompts, n):
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
     margins = torch.full(tokens.shape, float("nan"))
-    nxt, logits = generation.prefill(model, tokens[:, :min(lens)])
+    nxt, logits, _ = generation.prefill(model, tokens[:, :min(lens)])
     for cur in range(min(lens), total):
         if cur > min(lens):
             nxt, logits = generation.decode_step(model, tokens[:, cur - 1:cur], cur - 1)

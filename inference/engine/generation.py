@@ -11,6 +11,7 @@ import torch
 
 from .batch import prompt_buffer, read_completions
 from .errors import InputError
+from .prefill import prefill
 from .prompts import Completion, Prompt, check_prompt_lengths, finish_completion, vision_inputs
 from .speculative import SpecStats, speculative_generate_batch
 
@@ -35,13 +36,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill(model, ids: torch.Tensor, token_types: Optional[torch.Tensor] = None, images=None,
-            all_logits: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, P] at positions [0, P) -> (sampled next ids [B], logits)."""
-    next_ids, logits, _ = model(ids, 0, images=images, token_types=token_types, all_logits=all_logits)
-    return next_ids, logits
-
-
 def decode_step(model, ids: torch.Tensor, pos: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """ids [B, 1] at position pos -> (sampled next ids [B], logits [B, V])."""
     next_ids, logits, _ = model(ids, pos)
@@ -60,8 +54,10 @@ def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Ca
 @torch.inference_mode()
 def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id: int,
              prompt_token_types: Optional[List[List[int]]] = None, images: Optional[list] = None,
-             stats: Optional[Stats] = None) -> Tuple[List[List[int]], List[str]]:
-    """Batched generation, prompts right-padded as in the official loop.
+             stats: Optional[Stats] = None,
+             prefill_chunk: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
+    """Batched generation, prompts right-padded as in the official loop; the prefill in calls of at most
+    `prefill_chunk` positions (None: one call).
 
     Returns per prompt the completion ids (EOS excluded, at most max_new_tokens) and the finish reason
     ("eos" or "length").
@@ -84,8 +80,9 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
     prev = 0
     for cur in range(shortest, total_len):
         if cur == shortest:
-            next_ids, _ = _timed(stats, "prefill", bsz * cur, device, prefill, model, tokens[:, :cur],
-                                 token_types=None if types is None else types[:, :cur], images=images)
+            next_ids, _, _ = _timed(stats, "prefill", bsz * cur, device, prefill, model, tokens[:, :cur],
+                                    token_types=None if types is None else types[:, :cur], images=images,
+                                    chunk=prefill_chunk)
         else:
             next_ids, _ = _timed(stats, "decode", bsz, device, decode_step, model, tokens[:, prev:cur], prev)
         # Rows still inside their prompt keep the prompt token (teacher forcing).
@@ -110,18 +107,18 @@ class SpecOptions:
 
 
 def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, stats: Stats,
-             spec: Optional[SpecOptions] = None,
-             spec_stats: Optional[SpecStats] = None) -> Tuple[List[List[int]], List[str]]:
+             spec: Optional[SpecOptions] = None, spec_stats: Optional[SpecStats] = None,
+             prefill_chunk: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
     """One batch of prepared prompts -> completion ids and finish reasons. Timings go to `stats`; with `spec`
     the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`."""
     types, images = vision_inputs(prompts)
     if spec is None:
         return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id,
-                        prompt_token_types=types, images=images, stats=stats)
+                        prompt_token_types=types, images=images, stats=stats, prefill_chunk=prefill_chunk)
     try:
         completions, reasons, st = speculative_generate_batch(
             model, [p.ids for p in prompts], max_new_tokens, eos_id, spec.temperature, spec.k, spec.verify,
-            spec.min_confidence, token_types=types, images=images)
+            spec.min_confidence, token_types=types, images=images, prefill_chunk=prefill_chunk)
     except ValueError as e:
         raise InputError(str(e)) from None
     if spec_stats is not None:
@@ -146,6 +143,7 @@ class Runner:
     spec_stats: Optional[SpecStats] = None
     records: Any = None
     rank: int = 0
+    prefill_chunk: Optional[int] = None       # positions per prefill call (None: one call)
 
     def __post_init__(self):
         if self.spec is not None and self.spec_stats is None:
@@ -164,7 +162,7 @@ class Runner:
         """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
         other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn."""
         ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats, self.spec,
-                                self.spec_stats)
+                                self.spec_stats, self.prefill_chunk)
         if self.rank != 0:
             return [None] * len(prompts)
         done = []

@@ -232,9 +232,14 @@ class Shapes:
                    opts.packed_kv and not opts.golden)
 
 
-def workspace_bytes(shapes: Shapes, batch: int, seqlen: int, on_gpu: bool = True) -> Dict[str, int]:
-    """Stated workspace of one call of `batch` rows of `seqlen` tokens, per stage (module docstring)."""
+def workspace_bytes(shapes: Shapes, batch: int, seqlen: int, on_gpu: bool = True,
+                    context: Optional[int] = None) -> Dict[str, int]:
+    """Stated workspace of one call of `batch` rows of `seqlen` tokens, per stage (module docstring), whose
+    last position is `context` - 1 (default: a decode step at max_seq_len, a prefill from position 0): the
+    indexer scores and the compressed KV read grow with the context, the rest with the call's tokens."""
     a, w = shapes.args, shapes.world_size
+    if context is None:
+        context = a.max_seq_len if seqlen == 1 else seqlen
     n, d, hc = batch * seqlen, a.dim, a.hc_mult
     streams = n * (hc * d * 2 * 2 + d * 2 * (1 + len(a.dspark_target_layer_ids)))   # x twice, h, targets
     stages = {"hyper-connection post-mix": n * d * (16 * hc + 4 * hc * hc + 6)}
@@ -245,7 +250,7 @@ def workspace_bytes(shapes: Shapes, batch: int, seqlen: int, on_gpu: bool = True
         stages["GEMM (widest output)"] = streams + n * (16 * k + 6 * out) + chunk
     ratios = [a.compress_ratios[i] for i in a.index_source_layers if i < a.n_layers]
     if ratios and seqlen > 1:
-        t = seqlen // min(ratios)
+        t = context // min(ratios)
         per = 6 + (10 if shapes.deterministic_topk else 0)
         chunk = min(SCORE_CHUNK, n * (a.index_n_heads // w) * t) * 6
         stages["indexer scores"] = streams + per * n * t + chunk
@@ -256,8 +261,8 @@ def workspace_bytes(shapes: Shapes, batch: int, seqlen: int, on_gpu: bool = True
     stages["sparse attention"] = streams + n * per_token + attn_block
     kv_ratios = [a.compress_ratios[i] for i in a.kv_source_layers]
     if kv_ratios:
-        # the visible compressed KV (and index keys) a call reads: at most max_seq_len positions for a decode
-        t = (a.max_seq_len if seqlen == 1 else seqlen) // min(kv_ratios)
+        # the visible compressed KV (and index keys) a call reads: every position of the context
+        t = context // min(kv_ratios)
         per_value = PACKED_READ if shapes.packed_kv else 0
         stages["compressed KV read"] = streams + batch * t * (a.head_dim * (2 + per_value)
                                                               + a.index_head_dim * per_value)
@@ -294,13 +299,27 @@ class MemoryPlan:
         def fits(s: int) -> bool:
             return max(workspace_bytes(self.shapes, batch, s, on_gpu).values()) <= free
 
-        if not fits(1):
-            return 0
-        lo, hi = 1, self.args.max_seq_len
-        while lo < hi:                       # the workspace grows with S
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+        return _largest(fits, self.args.max_seq_len)
+
+    def largest_chunk(self, capacity: int, on_gpu: bool = True) -> int:
+        """Largest prefill chunk (tokens per row per call, at max_batch_size rows) that fits next to the
+        resident bytes when its last position is max_seq_len - 1 (the most a chunk's workspace can be); 0 if
+        not even one token does. The default of generate.py's --prefill-chunk on a GPU."""
+        free = capacity - self.worst.resident_bytes
+        a = self.args
+        return _largest(lambda c: max(workspace_bytes(self.shapes, a.max_batch_size, c, on_gpu,
+                                                      context=a.max_seq_len).values()) <= free, a.max_seq_len)
+
+
+def _largest(fits, limit: int) -> int:
+    """The largest n in [1, limit] with fits(n), for a fits that holds up to some n and fails above it."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions] = None,
@@ -322,6 +341,55 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
                                                                       prefill_len, on_gpu).items()})
         plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on))
     return plan
+
+
+@dataclass
+class ContextPlan:
+    """How long a context a setup holds when prompts are prefilled in chunks. The resident bytes grow with the
+    context L through the caches (exact bytes per position, from meta builds at two lengths); a decode step's
+    workspace and a chunk's grow with L (the indexer scores and the compressed KV a call reads). A context
+    fits when a decode step and a prefill chunk of at least `min_chunk` tokens (one window) fit beside the
+    resident bytes."""
+    plan: MemoryPlan                   # at the config's max_seq_len
+    per_position: float                # cache bytes per position of context (all rows), worst rank
+
+    @property
+    def min_chunk(self) -> int:
+        return self.plan.args.window_size
+
+    def resident(self, context: int) -> int:
+        extra = context - self.plan.args.max_seq_len
+        return int(self.plan.worst.resident_bytes + self.per_position * extra)
+
+    def _ws(self, rows: int, context: int, on_gpu: bool = True) -> int:
+        return max(workspace_bytes(self.plan.shapes, self.plan.args.max_batch_size, rows, on_gpu,
+                                   context=context).values())
+
+    def largest_chunk(self, capacity: int, context: int) -> int:
+        """The largest chunk that fits when its last position is context - 1; 0 if a decode step does not."""
+        free = capacity - self.resident(context)
+        if self._ws(1, context) > free:
+            return 0
+        return _largest(lambda c: self._ws(c, context) <= free, context)
+
+    def longest_context(self, capacity: int, chunk: Optional[int] = None, limit: int = 1 << 20) -> int:
+        """The longest context (positions per row, at most `limit`) whose decode step and prefill chunks
+        (of `chunk` tokens, or the largest that fits but at least min_chunk) fit; 0 if none does."""
+        def fits(context: int) -> bool:
+            c = self.largest_chunk(capacity, context)
+            return c >= min(chunk or self.min_chunk, context)
+        return _largest(fits, limit)
+
+
+def context_plan(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions] = None,
+                 language_model_only: bool = False) -> ContextPlan:
+    """Meta builds at the config's max_seq_len (every rank) and at twice it (the worst rank): the caches'
+    bytes per position."""
+    plan = plan_memory(args, world_size, opts, language_model_only=language_model_only)
+    worst = plan.worst
+    longer = plan_memory(replace(args, max_seq_len=2 * args.max_seq_len), world_size, opts,
+                         ranks=[worst.rank], language_model_only=language_model_only)
+    return ContextPlan(plan, (longer.worst.cache_bytes - worst.cache_bytes) / args.max_seq_len)
 
 
 def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) -> str:

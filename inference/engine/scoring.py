@@ -10,15 +10,17 @@ from .batch import prompt_buffer
 from .checkpoint import save_atomically
 from .errors import InputError
 from .generation import Stats, _timed
+from .prefill import prefill
 from .prompts import check_prompt_lengths
 
 
 @torch.inference_mode()
 def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bool = False,
           stats: Optional[Stats] = None, dspark: bool = False, token_types: Optional[List[List[int]]] = None,
-          images: Optional[list] = None) -> Dict[str, torch.Tensor]:
-    """Teacher-forced logits along the official generate loop: forward 0 runs [0, P), forward k the single
-    position P+k-1. logits[k, b] is NaN once row b has no token at that position.
+          images: Optional[list] = None, prefill_chunk: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Teacher-forced logits along the official generate loop: forward 0 runs [0, P) (in calls of at most
+    `prefill_chunk` positions; None: one call), forward k the single position P+k-1. logits[k, b] is NaN once
+    row b has no token at that position.
 
     images / token_types (as generate()): per row, its [ImageInput] and token types (TEXT = -1 for rows
     without images); they go to the prefill only, so every image span must end within [0, P).
@@ -60,13 +62,14 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
         if res is not None:
             drafts.append([t.cpu() for t in res])
 
-    next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, model,
-                                      fed[:, :prefill_len], 0, all_logits=all_prefill_logits, **vision)
+    seed = model.mtp.seed if dspark else None                           # the draft head's rings, per chunk
+    next_ids, logits, hidden = _timed(stats, "prefill", bsz * prefill_len, device, prefill, model,
+                                      fed[:, :prefill_len], vision.get("token_types"), vision.get("images"),
+                                      all_logits=all_prefill_logits, chunk=prefill_chunk, on_chunk=seed)
     out = {}
     if all_prefill_logits:
         out["prefill_logits"] = logits.float().cpu().contiguous()
         logits = logits[:, -1]
-    draft(next_ids, hidden, prefill_len - 1, 0)
     steps = [logits.float().cpu()]
     for pos in range(prefill_len, total):
         next_ids, logits, hidden = _timed(stats, "decode", bsz, device, model, fed[:, pos:pos + 1], pos)

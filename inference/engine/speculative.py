@@ -25,6 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .batch import prompt_buffer, read_completions
+from .prefill import prefill
 
 VERIFY_MODES = ("chunked", "sequential")
 
@@ -167,8 +168,9 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
                                temperature: Optional[float] = None, k: Optional[int] = None,
                                verify: str = "chunked", min_confidence: Optional[float] = None,
                                draft_hook: Optional[DraftHook] = None,
-                               token_types: Optional[List[List[int]]] = None,
-                               images=None) -> Tuple[List[List[int]], List[str], SpecStats]:
+                               token_types: Optional[List[List[int]]] = None, images=None,
+                               prefill_chunk: Optional[int] = None
+                               ) -> Tuple[List[List[int]], List[str], SpecStats]:
     """Prompts -> (completion ids per prompt, EOS excluded, at most max_new_tokens; finish reasons "eos" /
     "length"; statistics). The buffer and the prompt handling are generate.generate()'s: prompts
     right-padded, prefill up to the shortest, rows inside their prompt teacher-forced (by plain decode steps:
@@ -215,9 +217,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         finished.logical_or_(~in_prompt[:, pos] & (ids == eos_id))
 
     start = time.perf_counter()
-    x, _, hidden = model(tokens[:, :shortest], 0, images=images,
-                         token_types=None if types is None else types[:, :shortest])
-    model.mtp.forward_spec(x, hidden, 0)         # seeds the DSpark rings with positions 0..S-1
+    x, _, hidden = prefill(model, tokens[:, :shortest], None if types is None else types[:, :shortest],
+                           images, chunk=prefill_chunk, on_chunk=model.mtp.seed)   # seeds the DSpark rings
     commit(shortest, x)
     _sync(device)
     stats.prefill_s, stats.prefill_tokens = time.perf_counter() - start, bsz * shortest
@@ -316,12 +317,14 @@ def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_
                          temperature: Optional[float] = None, k: Optional[int] = None,
                          verify: str = "chunked", min_confidence: Optional[float] = None,
                          draft_hook: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-                         token_types: Optional[List[int]] = None, images=None) -> Tuple[List[int], SpecStats]:
+                         token_types: Optional[List[int]] = None, images=None,
+                         prefill_chunk: Optional[int] = None) -> Tuple[List[int], SpecStats]:
     """One prompt -> (completion ids, statistics): speculative_generate_batch for a batch of 1, with a
     draft_hook taking and returning drafts [k], and decisions (accepted, next token) per step."""
     hook = None if draft_hook is None else (lambda pos, d: draft_hook(pos, d[0]).view(1, -1))
     out, _, stats = speculative_generate_batch(model, [prompt_ids], max_new_tokens, eos_id, temperature, k,
                                                verify, min_confidence, hook,
-                                               None if token_types is None else [token_types], images)
+                                               None if token_types is None else [token_types], images,
+                                               prefill_chunk)
     stats.decisions = [d[0] for d in stats.decisions]
     return out[0], stats

@@ -2,6 +2,13 @@
 
     python -m inference.tools.plan --config config.json --mp 4 --max-seq-len 65536 --max-batch-size 4 \\
         --engram-on host [--gpu-mem 141GB] [--prefill-len N] [--json]
+    python -m inference.tools.plan --config config.json --long-context --mp 4 8 --max-batch-size 1 4 \\
+        --engram-on device host [--prefill-chunk C] [--limit 1048576]
+
+--long-context answers how long a context each setup holds when prompts are prefilled in chunks
+(generate.py --prefill-chunk): per GPU, the longest context (at most --limit positions per row) at which a
+decode step and a prefill chunk (of C tokens, or the largest that fits but at least one window) fit beside
+the weights and the caches of that context, and the chunk it then needs. Prefill time is not estimated.
 
 Weights and caches are exact (the model is built on the meta device for every rank); the activation
 workspace is a stated estimate of the torch code path (inference/engine/memory.py lists its terms). The
@@ -21,8 +28,8 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from ..config import ENGRAM_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
-from ..engine.memory import (GPUS, LABELS, WEIGHT_GROUPS, MemoryPlan, PlanError, fix_hint, gib, parse_bytes,
-                              plan_memory)
+from ..engine.memory import (GPUS, LABELS, WEIGHT_GROUPS, MemoryPlan, PlanError, context_plan, fix_hint, gib,
+                              parse_bytes, plan_memory)
 
 
 def verdicts(plan: MemoryPlan, gpus: Dict[str, int]) -> Dict[str, dict]:
@@ -127,14 +134,55 @@ def to_json(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Densit
     }
 
 
+def long_context(config: str, mps: List[int], batches: List[int], placements: List[str],
+                 gpus: Dict[str, int], chunk: Optional[int], limit: int) -> List[dict]:
+    """One row per (MP, Engram placement, batch): per GPU the longest context that fits and its chunk."""
+    rows = []
+    for mp in mps:
+        for engram_on in placements:
+            for batch in batches:
+                args = ModelArgs.from_file(config, max_batch_size=batch, max_seq_len=65536)
+                args.check_world_size(mp)
+                cp = context_plan(args, mp, RuntimeOptions.from_profile("reference", engram_on=engram_on))
+                fits = {}
+                for name, cap in gpus.items():
+                    longest = cp.longest_context(cap, chunk, limit)
+                    largest = cp.largest_chunk(cap, longest) if longest else 0
+                    fits[name] = {"context": longest, "chunk": min(chunk or largest, largest)}
+                rows.append({"mp": mp, "engram_on": engram_on, "batch": batch, "gpus": fits,
+                             "cache_bytes_per_position": cp.per_position})
+    return rows
+
+
+def render_long_context(rows: List[dict], limit: int) -> str:
+    names = list(rows[0]["gpus"]) if rows else []
+    lines = [f"longest context per row (at most {limit:,}) / prefill chunk it needs (tokens per call)",
+             "| MP | Engram | batch | " + " | ".join(names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        cells = [f"{g['context']:,} / {g['chunk']:,}" if g["context"] else "does not fit"
+                 for g in r["gpus"].values()]
+        lines.append(f"| {r['mp']} | {r['engram_on']} | {r['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="inference config.json")
-    ap.add_argument("--mp", type=int, default=1, help="model-parallel world size (GPUs)")
+    ap.add_argument("--mp", type=int, nargs="+", default=[1], help="model-parallel world size (GPUs); "
+                    "--long-context takes several")
     ap.add_argument("--max-seq-len", type=int, default=None, help="context per row (default: the config's)")
-    ap.add_argument("--max-batch-size", type=int, default=None, help="rows (default: the config's)")
-    ap.add_argument("--engram-on", choices=ENGRAM_PLACEMENTS, default="device",
-                    help="where the Engram tables live (host and disk keep them off the GPU)")
+    ap.add_argument("--max-batch-size", type=int, nargs="+", default=None,
+                    help="rows (default: the config's); --long-context takes several")
+    ap.add_argument("--engram-on", choices=ENGRAM_PLACEMENTS, nargs="+", default=["device"],
+                    help="where the Engram tables live (host and disk keep them off the GPU); --long-context "
+                    "takes several")
+    ap.add_argument("--long-context", action="store_true", help="the longest context each setup holds with "
+                    "chunked prefill, and the chunk it needs")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="--long-context: judge this chunk (default: the largest that fits, >= one window)")
+    ap.add_argument("--limit", type=int, default=1 << 20, help="--long-context: the longest context asked "
+                    "about (default 1,048,576, the released model's)")
     ap.add_argument("--prefill-len", type=int, default=None,
                     help="tokens per row prefilled in one call (default: --max-seq-len)")
     ap.add_argument("--gpu-mem", default=None, help="judge this GPU size only, e.g. 141GB or 139GiB")
@@ -144,16 +192,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     o = ap.parse_args(argv)
     try:
-        over = {k: v for k, v in (("max_seq_len", o.max_seq_len), ("max_batch_size", o.max_batch_size))
-                if v is not None}
-        args = ModelArgs.from_file(o.config, **over)
-        args.check_world_size(o.mp)
         gpus = {f"{o.gpu_mem} (--gpu-mem)": parse_bytes(o.gpu_mem)} if o.gpu_mem else dict(GPUS)
-        opts = RuntimeOptions.from_profile("reference", engram_on=o.engram_on,
+        if o.long_context:
+            batches = o.max_batch_size or [ModelArgs.from_file(o.config).max_batch_size]
+            rows = long_context(o.config, o.mp, batches, o.engram_on, gpus, o.prefill_chunk, o.limit)
+            print(json.dumps(rows, indent=1) if o.json else render_long_context(rows, o.limit))
+            return 0
+        if len(o.mp) > 1 or len(o.engram_on) > 1 or o.max_batch_size and len(o.max_batch_size) > 1:
+            raise PlanError("several --mp, --max-batch-size or --engram-on values go with --long-context")
+        mp, engram_on = o.mp[0], o.engram_on[0]
+        over = {k: v for k, v in (("max_seq_len", o.max_seq_len),
+                                  ("max_batch_size", o.max_batch_size and o.max_batch_size[0])) if v}
+        args = ModelArgs.from_file(o.config, **over)
+        args.check_world_size(mp)
+        opts = RuntimeOptions.from_profile("reference", engram_on=engram_on,
                                            packed_kv=o.kv_format == "packed")
-        plan = plan_memory(args, o.mp, opts, prefill_len=o.prefill_len,
+        plan = plan_memory(args, mp, opts, prefill_len=o.prefill_len,
                            language_model_only=o.language_model_only)
-        other = plan_memory(args, o.mp, replace(opts, packed_kv=not opts.packed_kv), ranks=[0],
+        other = plan_memory(args, mp, replace(opts, packed_kv=not opts.packed_kv), ranks=[0],
                             language_model_only=o.language_model_only)
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
