@@ -204,9 +204,13 @@ class EngramHasher(nn.Module):
             raise EngramError(f"positions {start_pos}..{end - 1} exceed max_seq_len = {self.max_seq_len}")
         if token_mask is None:
             token_mask = torch.ones_like(input_ids, dtype=torch.bool)
-        real_ids = input_ids[token_mask]
-        if real_ids.numel() and (real_ids.min() < 0 or real_ids.max() >= self.vocab):
-            raise EngramError(f"token id out of range of the Engram token map (0..{self.vocab - 1})")
+        bad = token_mask & ((input_ids < 0) | (input_ids >= self.vocab))
+        message = f"token id out of range of the Engram token map (0..{self.vocab - 1})"
+        if input_ids.device.type == "cpu":
+            if bool(bad.any()):
+                raise EngramError(message)
+        else:       # on a GPU: checked without a host sync (the engine checks prompts' ids on the host)
+            torch._assert_async(~bad.any(), message)
 
         # Masked positions may carry any id (image placeholder); look up a harmless 0 there.
         cur = self.token_map[torch.where(token_mask, input_ids, 0)]

@@ -12,8 +12,9 @@ computed: any scale that puts every value of a group on the code grid gives the 
 of a few candidates always does (power-of-two scales: the smallest power of two >= amax / max code, which
 only rescales the codes by powers of two; E4M3 scales: amax / 6, amax / 4 or the smallest scale 2^-9,
 because the group's largest value always rounds to code 6 or 4 unless the scale was clamped to 2^-9).
-Every write is checked bit for bit: a value off the grid (a kernel that rounds differently) is an error,
-never a silent change. Golden numerics, which do not round, keep plain full-precision buffers.
+Every write is checked bit for bit: a value off the grid (a kernel that rounds differently) is an error, never
+a silent change (on a GPU an asynchronous device assertion, so that a decode step waits for nothing). Golden
+numerics, which do not round, keep plain full-precision buffers.
 """
 from dataclasses import dataclass
 
@@ -121,9 +122,13 @@ def encode(fmt: str, x: torch.Tensor):
             pick = good.repeat_interleave(per_code, dim=-1)
             codes, sbytes = torch.where(pick, c, codes), torch.where(good, s, sbytes)
         ok |= good
-    if not bool(ok.all()):
-        raise CacheFormatError(f"KV cache value not on the {fmt} grid: the values written were not rounded "
-                               f"the way the cache format assumes (a kernel that rounds differently?)")
+    message = (f"KV cache value not on the {fmt} grid: the values written were not rounded the way the cache "
+               f"format assumes (a kernel that rounds differently?)")
+    if x.device.type == "cpu":
+        if not bool(ok.all()):
+            raise CacheFormatError(message)
+    else:       # checked on the device, without a host sync in the step (a failure stops the next sync)
+        torch._assert_async(ok.all(), message)
     return codes, sbytes
 
 

@@ -19,26 +19,36 @@ def _param(shape, dtype):
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def linear_tensors(in_features: int, out_features: int, kind: str):
+    """((shape, dtype) of the weight, (shape, dtype) of its scales or None) of a Linear of `kind`."""
+    if kind == "fp8":
+        return (((out_features, in_features), torch.float8_e4m3fn),
+                ((-(-out_features // BLOCK), -(-in_features // BLOCK)), torch.float8_e8m0fnu))
+    if kind == "fp4":
+        return (((out_features, in_features // 2), torch.float4_e2m1fn_x2),
+                ((out_features, in_features // BLOCK), torch.float8_e8m0fnu))
+    if kind in _TORCH_DTYPES:
+        return ((out_features, in_features), _TORCH_DTYPES[kind]), None
+    raise ValueError(f"unknown Linear kind {kind!r}")
+
+
 class Linear(nn.Module):
     """y = x W^T without bias. `kind`: fp8 (E4M3 + 32x32 UE8M0 scales), fp4 (MXFP4, per-32 row scales),
     bf16 or fp32 (plain GEMM in that dtype). `keep_derived=False`: nothing derived from the weight is kept
-    between calls (routed experts whose weights are streamed, or live off the CPU)."""
+    between calls (routed experts whose weights are streamed, or live off the CPU). `storage`: the (weight,
+    scale) tensors to hold, views into a larger layout (the MoE's stacked experts), instead of new ones."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, ctx: ModelContext,
-                 keep_derived: bool = True):
+                 keep_derived: bool = True, storage=None):
         super().__init__()
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
-        if kind == "fp8":
-            self.weight = _param((out_features, in_features), torch.float8_e4m3fn)
-            self.scale = _param((-(-out_features // BLOCK), -(-in_features // BLOCK)), torch.float8_e8m0fnu)
-        elif kind == "fp4":
-            self.weight = _param((out_features, in_features // 2), torch.float4_e2m1fn_x2)
-            self.scale = _param((out_features, in_features // BLOCK), torch.float8_e8m0fnu)
-        elif kind in _TORCH_DTYPES:
-            self.weight = _param((out_features, in_features), _TORCH_DTYPES[kind])
-            self.scale = None
-        else:
-            raise ValueError(f"unknown Linear kind {kind!r}")
+        if storage is None:
+            (wshape, wdtype), scale = linear_tensors(in_features, out_features, kind)
+            storage = (torch.empty(*wshape, dtype=wdtype),
+                       None if scale is None else torch.empty(*scale[0], dtype=scale[1]))
+        w, s = storage
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.scale = None if s is None else nn.Parameter(s, requires_grad=False)
         self.nx = ctx.numerics
         self.derived = Derived(keep_derived)
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from .indexer import topk_indices
 from .kernels import Derived
-from .layers import Linear
+from .layers import Linear, linear_tensors
 from .state import ModelContext
 
 
@@ -46,12 +46,17 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter_dim: int, kind: str, ctx: ModelContext, keep_derived: bool = True):
+    """SwiGLU expert. `storage`: {projection: (weight, scale)} views to hold (a routed expert's row of the
+    MoE's stacked layout)."""
+
+    def __init__(self, dim: int, inter_dim: int, kind: str, ctx: ModelContext, keep_derived: bool = True,
+                 storage=None):
         super().__init__()
         self.nx = ctx.numerics
-        self.w1 = Linear(dim, inter_dim, kind, ctx, keep_derived)
-        self.w2 = Linear(inter_dim, dim, kind, ctx, keep_derived)
-        self.w3 = Linear(dim, inter_dim, kind, ctx, keep_derived)
+        held = storage or {}
+        self.w1 = Linear(dim, inter_dim, kind, ctx, keep_derived, held.get("w1"))
+        self.w2 = Linear(inter_dim, dim, kind, ctx, keep_derived, held.get("w2"))
+        self.w3 = Linear(dim, inter_dim, kind, ctx, keep_derived, held.get("w3"))
         self.limit = ctx.args.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -69,6 +74,13 @@ class Expert(nn.Module):
         return h
 
 
+def stacked_experts(dim: int, inter_dim: int, kind: str, n: int):
+    """{projection: (weights [n, ...], scales [n, ...] or None)} for n SwiGLU experts of `kind`."""
+    sizes = {"w1": (dim, inter_dim), "w2": (inter_dim, dim), "w3": (dim, inter_dim)}
+    return {p: tuple(None if t is None else torch.empty(n, *t[0], dtype=t[1])
+                     for t in linear_tensors(*io, kind)) for p, io in sizes.items()}
+
+
 class MoE(nn.Module):
     def __init__(self, ctx: ModelContext, n_experts: int, topk: int, with_bias_vl: bool):
         super().__init__()
@@ -80,10 +92,23 @@ class MoE(nn.Module):
         self.start = ctx.par.rank * self.n_local
         expert_kind = a.expert_dtype if a.expert_dtype == "fp4" else a.dtype
         self.gate = Gate(a.dim, n_experts, topk, ctx, with_bias_vl)
+        # This rank's experts live in one layout per projection, [n_local, ...] weights and scales; each
+        # expert's Linears hold views of its row (the checkpoint names stay per expert). A decode step on a
+        # GPU indexes the experts it selects there, with shapes fixed by the batch: no host sync, no copy per
+        # step. (Weights streamed from disk replace each expert's tensors: they keep their own.)
+        self.stacked = (None if ctx.streamed
+                        else stacked_experts(a.dim, a.moe_inter_dim, expert_kind, self.n_local))
         self.experts = nn.ModuleList([
-            Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts)
+            Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts,
+                   self.row(i - self.start))
             if self.start <= i < self.start + self.n_local else None for i in range(n_experts)])
         self.shared_experts = Expert(a.dim, a.moe_inter_dim, a.dtype, ctx)
+
+    def row(self, e: int):
+        """Local expert e's views of the stacked layout, {projection: (weight, scale)} (None: no layout)."""
+        if self.stacked is None:
+            return None
+        return {p: (w[e], None if s is None else s[e]) for p, (w, s) in self.stacked.items()}
 
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = x.shape

@@ -195,12 +195,13 @@ def test_fast_index_scores_within_bound():
     assert ((got.double() - exact.double()).abs() <= bound).all()
 
 
-def test_dequant_stacked_matches_one_by_one():
+def test_dequant_of_stacked_experts_matches_one_by_one():
     gen = torch.Generator().manual_seed(5)
     for kind, deq in (("fp8", dequant_fp8_weight), ("fp4", dequant_fp4_weight)):
         lins = [random_linear(kind, 64, 96 if kind == "fp8" else 128, gen) for _ in range(3)]
-        got = fast.dequant_stacked([lin.weight for lin in lins], [lin.scale for lin in lins], kind,
-                                   torch.bfloat16)
+        stack = lambda ts: torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)   # [3, ...]
+        got = fast.dequant_weight(stack([lin.weight for lin in lins]), stack([lin.scale for lin in lins]),
+                                  kind, torch.bfloat16)
         assert torch.equal(got.float(), torch.stack([deq(lin.weight, lin.scale) for lin in lins]))
 
 
@@ -240,6 +241,25 @@ def exact_arithmetic_moe(par: ParallelContext, opts: RuntimeOptions):
                 codes = torch.tensor([8 + 5, 8 + 4, 8 + 2, 0, 2, 4, 5])[vals.long() + 3]
                 lin.weight.view(torch.uint8).copy_(codes[:, 0::2] | codes[:, 1::2] << 4)
     return moe
+
+
+@pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],
+                         ids=["W1", "rank1of2"])
+def test_fixed_shape_experts_equal_the_expert_loop(par):
+    """The GPU decode path (the stacked experts indexed with shapes fixed by the batch and top-k, no host
+    sync), run here on CPU tensors: both of its forms (gathered selections while N k <= local experts, else
+    every local expert on every token) give the exact loop's numbers on the exact-arithmetic MoE."""
+    exact_moe, fast_moe = exact_arithmetic_moe(par, EXACT), exact_arithmetic_moe(par, FAST)
+    gen = torch.Generator().manual_seed(8)
+    for n in (1, 2, 3, 5):                                           # N k = 3, 6 | 9, 15 for 8 (4) experts
+        x = torch.randint(-8, 9, (n, exact_moe.ctx.args.dim), generator=gen).bfloat16()
+        with torch.inference_mode():
+            weights, idx = fast_moe.gate(x)
+            want = exact_moe.nx.routed_experts(exact_moe, x, weights, idx)
+            out = NX_FAST._routed_fixed(fast_moe, x, weights, idx)                      # [N, k, D]
+            got = NX_FAST.combine_experts(out.gather(1, idx.argsort(1).unsqueeze(-1).expand_as(out))
+                                          .float().sum(1), idx)
+        assert want.abs().sum() > 0 and torch.equal(got, want), n
 
 
 @pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],
@@ -318,16 +338,15 @@ def decode_op_count(model, batch: int) -> int:
 
 def test_fast_decode_step_has_no_loop_over_sizes():
     """The same number of computing torch ops for one decode step at head_dim 128 / 256 with twice the K
-    blocks in every GEMM and twice the experts, and at batch 1 / 2 / 3; the exact route's count grows (the
-    check can fail)."""
+    blocks in every GEMM and twice the experts; the exact route's count grows (the check can fail). (On the
+    CPU the routed experts loop over the experts a step selects, so the count grows with the batch there;
+    on a GPU it does not: tests/test_fake_cuda.py counts a decode step at batch 1, 2 and 3.)"""
     small = dict(n_routed_experts=8)
     large = dict(dim=512, head_dim=256, q_lora_rank=256, moe_inter_dim=256, index_head_dim=128,
                  o_lora_rank=128, n_routed_experts=16)
     sizes = [decode_op_count(random_model(FAST, **cfg), 1) for cfg in (small, large)]
-    model = random_model(FAST, **small)
-    batches = [decode_op_count(model, b) for b in (2, 3)]
-    print("fast decode step ops: small / large", sizes, "batch 2 / 3", batches)
-    assert sizes[0] == sizes[1] == batches[0] == batches[1]
+    print("fast decode step ops: small / large", sizes)
+    assert sizes[0] == sizes[1]
     exact = [decode_op_count(random_model(EXACT, **sizes), 1) for sizes in (small, large)]
     assert exact[1] > exact[0] + 128, exact
 

@@ -76,13 +76,6 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: 
     return values * s.repeat_interleave(BLOCK, -1)
 
 
-def dequant_stacked(weights: list, scales: list, kind: str, dtype: torch.dtype) -> torch.Tensor:
-    """Several stored weights of one shape -> [A, N, K] in `dtype`: their bytes stacked (one copy), then one
-    dequantization for all (the selected routed experts of a step)."""
-    stack = lambda ts: torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
-    return dequant_weight(stack(weights), stack(scales), kind, dtype)
-
-
 def quant_act(x: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
     """act_quant(x) dequantised: e4m3(x / s) * s per `block`, exact in bf16 and fp32. [..., K] -> [..., K]."""
     q, s = act_quant(x, block)
@@ -211,34 +204,32 @@ class Fast(Exact):
         return index_scores(q, keys, w)
 
     def routed_experts(self, moe, x, weights, idx, decode=False):
-        """Decode steps (one position per sequence) and small calls (draft blocks) gather their experts:
-        the selected experts stacked and dequantised together, one batched GEMM per projection
-        (moe_decode). Larger calls sort the selections by expert and run one GEMM per active expert.
-        Each selection's output is then added in increasing expert index, as the exact loop adds them."""
+        """Each selection's expert output, summed in increasing expert index as the exact loop adds them. On a
+        GPU, decode steps and small calls (draft blocks) index the MoE's stacked experts with shapes fixed by
+        the batch and top-k (no host sync: _routed_fixed); larger calls, and every call on the CPU (where
+        reading the counts costs nothing), sort the selections by expert and run each active expert's GEMMs on
+        its tokens (the weights as kept, no copy per step). Golden numerics keep the exact order's loop."""
         if self.golden:
             return super().routed_experts(moe, x, weights, idx)
-        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # the one host sync
-        out = self._routed(moe, x, weights, idx, counts, decode or x.shape[0] <= 16)   # [N, k, D]
+        if x.device.type != "cpu" and moe.stacked is not None and (decode or x.shape[0] <= 16):
+            out = self._routed_fixed(moe, x, weights, idx)                              # [N, k, D]
+        else:
+            counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # a host sync
+            out = self._routed_looped(moe, x, weights, idx, counts)                     # [N, k, D]
         out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
         y = torch.zeros_like(x, dtype=torch.float32)
         for j in range(idx.shape[1]):                                # top-k: a constant of the model
             y += out[:, j]
         return y
 
-    def _routed(self, moe, x, weights, idx, counts, gathered):
-        """Each selection's expert output [N, k, D] bf16 (zero for other ranks' experts)."""
+    def _routed_looped(self, moe, x, weights, idx, counts):
+        """The selections sorted by expert, one GEMM per projection of each active local expert on its own
+        tokens -> [N, k, D] bf16 (zero for other ranks' experts)."""
         n, k = idx.shape
         active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]   # increasing
         out = x.new_zeros(n, k, x.shape[-1])
         if not active:
             return out
-        if gathered:
-            slot_of = torch.full((moe.n_experts,), -1, dtype=torch.long)
-            slot_of[active] = torch.arange(len(active))
-            slot = slot_of.to(x.device)[idx]                                           # [N, k]
-            first, dtype = moe.experts[active[0]], compute_dtype(x.device)
-            w1, w3, w2 = (self._stacked(moe, active, p, dtype) for p in ("w1", "w3", "w2"))
-            return moe_decode(x, slot, weights, w1, w3, w2, first.w1.scale is not None, first.swiglu)
         order = idx.flatten().argsort(stable=True)                  # selections grouped by expert, increasing
         lo = sum(counts[:moe.start])
         rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]          # this rank's selections
@@ -248,13 +239,32 @@ class Fast(Exact):
         out.view(n * k, -1)[rows] = torch.cat(outs)
         return out
 
-    def _stacked(self, moe, active, name, dtype):
-        """Dequantised weights [A, out, in] of projection `name` of the active experts, in `dtype`. On CPU
-        from each Linear's kept value; elsewhere the stored bytes are stacked (one copy, no kernel per
-        expert: the lists only collect references) and dequantised together."""
-        lins = [getattr(moe.experts[e], name) for e in active]
-        if lins[0].scale is None:
-            return torch.stack([lin.weight for lin in lins]).to(dtype)
-        if lins[0].weight.device.type == "cpu":
-            return torch.stack([self.dequantized(lin, dtype) for lin in lins])
-        return dequant_stacked([lin.weight for lin in lins], [lin.scale for lin in lins], lins[0].kind, dtype)
+    def _routed_fixed(self, moe, x, weights, idx):
+        """[N, k, D] bf16 (zero for other ranks' experts) from the stacked layout, every shape fixed by N, k
+        and the number of local experts E: with N k <= E, each selection's expert weights are gathered (bytes)
+        and dequantised, one batched GEMM per projection over the N k selections; otherwise every local expert
+        runs on every token (moe_decode), which reads no weight twice."""
+        n, k = idx.shape
+        own = (idx >= moe.start) & (idx < moe.start + moe.n_local)                   # [N, k]
+        local = torch.where(own, idx - moe.start, 0)                                 # [N, k]
+        first = next(e for e in moe.experts if e is not None)
+        kind, quantize, dtype = first.w1.kind, first.w1.scale is not None, compute_dtype(x.device)
+
+        def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
+            w, s = moe.stacked[name]
+            if rows is not None:
+                w = w.view(torch.uint8)[rows].view(w.dtype)
+                s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
+            return dequant_weight(w, s, kind, dtype)
+
+        if n * k <= moe.n_local:
+            sel = local.flatten()                                                    # [N k]
+            xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                          # [N k, 1, D]
+            gate = grouped_gemm(xs, weights_of("w1", sel), quantize)                 # [N k, 1, I]
+            up = grouped_gemm(xs, weights_of("w3", sel), quantize)
+            h = first.swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
+            out = grouped_gemm(h, weights_of("w2", sel), quantize).view(n, k, -1)    # [N, k, D]
+        else:
+            out = moe_decode(x, torch.where(own, local, -1), weights, weights_of("w1"), weights_of("w3"),
+                             weights_of("w2"), quantize, first.swiglu)
+        return torch.where(own.unsqueeze(-1), out, 0)

@@ -1,0 +1,328 @@
+"""The CUDA route run on a CPU machine, on fake CUDA tensors (torch's FakeTensorMode): every tensor of a model
+built on `cuda` carries its shape, dtype and device and no values, so what a GPU run runs on the torch route
+(`--kernel-backend torch`: the fast order, and golden numerics) runs here: prefill, decode steps, an extend
+and its rollback, a speculative step, the Engram tables on the host and on disk, sampling, the scoring loop;
+on the fixture's shapes and on the released widths (two layers). An op that mixes a cuda and a cpu tensor
+raises FakeTensorDeviceMismatchError. Every read of a value on the host (item, tolist, bool, int, a nonzero,
+a bincount, a boolean-mask index, a copy to the host, cuda.synchronize) is recorded with its call site by
+SyncRecorder, which hands back a stand-in (zeros, empty selections) so that the run goes on; each phase's set
+is compared with the one kept here, so a new sync fails the test. A decode step has none. The TileLang
+wrappers' argument checks run on fake CUDA tensors with their kernels stubbed.
+
+A CUDA build of torch is needed (PyPI's Linux wheels; no GPU): the CPU-only build cannot index a tensor of
+another device, fake or not. `.ci/run` runs this file in its CUDA-build environment."""
+import collections
+import json
+import os
+import traceback
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import FIXTURE, ROOT, fixture_file
+
+pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                reason="needs CUDA: a CUDA build of torch (no GPU needed); .ci/run has one")
+aten = torch.ops.aten
+RELEASED = os.path.join(ROOT, "config.json")
+FAST = "reference"            # the default order on CUDA is the fast one
+READS = {"item": 0, "tolist": None, "__bool__": False, "__int__": 0, "__index__": 0, "__float__": 0.0}
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records, per phase, every host sync as (what, file:function of the innermost project frame), and hands
+    back a stand-in so that the run goes on. Also counts the ops that compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase, self.syncs, self.ops = "setup", collections.defaultdict(set), 0
+
+    def record(self, what: str) -> None:
+        """Under the innermost frame of the project's own code (a read made by this test is not recorded)."""
+        for frame in reversed(traceback.extract_stack()):
+            if frame.filename == __file__ and frame.name in ("record", "__torch_dispatch__", "read",
+                                                              "<lambda>"):
+                continue                                  # the recorder itself
+            if frame.filename.startswith(ROOT + os.sep):
+                path = os.path.relpath(frame.filename, ROOT)
+                if not path.startswith("tests"):
+                    self.syncs[self.phase].add((what, f"{path}:{frame.name}"))
+                return
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += func.namespace == "aten" and not func.is_view       # prim.device etc. compute nothing
+        on_cuda = bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+        if func.name().startswith(("aten::to", "aten::_to_copy")) and on_cuda:
+            target = kwargs.get("device") or next((a for a in args[1:] if isinstance(a, torch.device)), None)
+            if target is not None and torch.device(target).type == "cpu":
+                self.record("copy to the host")
+            return func(*args, **kwargs)
+        if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].is_cuda:
+            self.record("copy to the host")
+        if not on_cuda:                                  # what CPU tensors do costs the device nothing
+            return func(*args, **kwargs)
+        if func is aten.nonzero.default:
+            self.record("nonzero")
+            return torch.zeros(0, args[0].dim(), dtype=torch.long, device=args[0].device)
+        if func is aten.bincount.default:
+            self.record("bincount")
+            n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(n, dtype=torch.long, device=args[0].device)
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            self.record("boolean-mask index")       # selects a data-dependent count: none, here
+            if func is not aten.index.Tensor:
+                return args[0] if func is aten.index_put_.default else args[0].clone()
+            empty = torch.zeros(0, dtype=torch.long, device=args[0].device)
+            idx = [j for i in args[1] for j in ([empty] * i.dim() if i is not None and i.dtype == torch.bool
+                                                 else [i])]
+            return func(args[0], idx)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def fake_cuda(monkeypatch):
+    """FakeTensorMode with the recorder above it; reads of values on the host patched to record and return a
+    stand-in (under inference mode they reach the fake mode before any user mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    rec = SyncRecorder()
+
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def reader(name, value):
+        def read(self, *args, **kwargs):
+            if not self.is_cuda and not isinstance(self, FakeTensor):
+                return originals[name](self, *args, **kwargs)
+            if self.is_cuda:
+                rec.record(f"value read on the host ({name.strip('_')})")
+            if name == "tolist":
+                return [0] * self.numel() if self.dim() == 1 else 0
+            return value
+        return read
+
+    for name, value in READS.items():
+        monkeypatch.setattr(torch.Tensor, name, reader(name, value))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: rec.record("cuda.synchronize"))
+    with FakeTensorMode(allow_non_fake_inputs=True), rec:
+        yield rec
+
+
+def fixture_shaped(**over):
+    from inference.config import ModelArgs
+    return ModelArgs.from_file(fixture_file(os.path.join(FIXTURE, "config.json")), max_batch_size=3,
+                               max_seq_len=96, **over)
+
+
+def released_two_layers(**over):
+    """The released widths: a ratio-2 and a ratio-1 layer (KV, index and candidate sources), then the DSpark
+    stage; 8 experts, the released vocabulary and Engram table sizes, no ViT."""
+    from inference.config import ModelArgs
+    with open(RELEASED) as f:
+        c = json.load(f)
+    c.update(n_layers=2, n_mtp_layers=1, compress_ratios=[2, 1, 0], kv_source_layers=[0, 1],
+             index_source_layers=[0, 1], candidate_source_layer=1, dspark_target_layer_ids=[1],
+             engram_layer_ids=[0], engram_num_embeddings=c["engram_num_embeddings"][:1], n_routed_experts=8,
+             dspark_n_routed_experts=8, vision_n_layers=0, max_batch_size=3, max_seq_len=256, **over)
+    return ModelArgs.from_dict(c)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    from encoding.tokenizer import load_tokenizer, write_v41_tokenizer
+    d = tmp_path_factory.mktemp("v41")
+    write_v41_tokenizer(str(d))
+    return {"fixture": load_tokenizer(FIXTURE), "released": load_tokenizer(str(d))}
+
+
+def build(args, tokenizer, numerics="reference", **opts):
+    from inference.config import RuntimeOptions
+    from inference.model import Transformer
+    o = RuntimeOptions.from_profile(numerics, **{"kernel_backend": "torch", **opts})
+    return Transformer(args, opts=o, device="cuda", tokenizer=tokenizer)
+
+
+def run_phases(rec, model, prompt=24, batch=2):
+    """What a GPU run runs, phase by phase; the recorder's phase names the step."""
+    from inference.engine import generation, scoring
+    from inference.engine.speculative import speculative_generate_batch
+    v = model.args.vocab_size
+    ids = torch.randint(4, v - 8, (batch, prompt + 8), device="cuda")
+    rec.phase = "prefill"
+    model(ids[:, :prompt], 0)
+    rec.phase = "decode"
+    generation.decode_step(model, ids[:, prompt:prompt + 1], prompt)
+    model.args.temperature = 1.0
+    rec.phase = "decode, sampled"
+    generation.decode_step(model, ids[:, prompt + 1:prompt + 2], prompt + 1)
+    model.args.temperature = 0.0
+    rec.phase = "extend"
+    model(ids[:, prompt + 2:prompt + 6], prompt + 2, all_logits=True)
+    rec.phase = "rollback"
+    model.rollback(prompt + 3)
+    rec.phase = "prefill in chunks"
+    generation.prefill(model, ids[:, :prompt], chunk=10)
+    if model.mtp is not None:
+        rec.phase = "speculative (prefill, then one step)"
+        speculative_generate_batch(model, [[5] * prompt] * batch, 6, -1, 0.0, 2)
+    rec.phase = "scoring loop"
+    scoring.score(model, [[5] * (prompt + 3)] * batch, prompt)
+    return dict(rec.syncs)
+
+
+LOOPED = {("bincount", "inference/kernels/fast.py:routed_experts"),
+          ("value read on the host (item)", "inference/kernels/fast.py:routed_experts")}
+EXPECTED_FAST = {
+    # decode steps (greedy and sampled), the extend and its rollback: none
+    # a prefill's routed experts loop over the active experts: their counts are read once per MoE layer
+    "prefill": LOOPED,
+    "prefill in chunks": LOOPED,
+    # the speculative loop decides on the host what it accepts (that is the algorithm), then reads the
+    # completions; its prefill loops as above; its draft and verification calls add none
+    "speculative (prefill, then one step)": LOOPED | {
+        ("cuda.synchronize", "inference/engine/speculative.py:_sync"),
+        ("value read on the host (bool)", "inference/engine/speculative.py:<listcomp>"),
+        ("value read on the host (bool)", "inference/engine/speculative.py:speculative_generate_batch"),
+        ("value read on the host (int)", "inference/engine/speculative.py:greedy_accept"),
+        ("value read on the host (item)", "inference/engine/batch.py:read_completions")},
+    # the scoring loop copies each forward's logits to the host and times each call
+    "scoring loop": LOOPED | {("copy to the host", "inference/engine/scoring.py:score"),
+                              ("cuda.synchronize", "inference/engine/generation.py:_sync")},
+}
+
+
+@pytest.mark.parametrize("shape", ["fixture", "released"])
+def test_fast_route_syncs_and_devices(shape, tokenizers, monkeypatch):
+    with fake_cuda(monkeypatch) as rec:
+        args = fixture_shaped() if shape == "fixture" else released_two_layers()
+        model = build(args, tokenizers[shape])
+        assert type(model.nx).__name__ == "Fast" and model.nx.device.type == "cuda"
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        rec.syncs.clear()
+        got = run_phases(rec, model)
+    print(json.dumps({k: sorted(v) for k, v in got.items()}, indent=1))
+    assert {k: v for k, v in got.items() if v} == EXPECTED_FAST
+
+
+def test_golden_numerics_on_cuda(tokenizers, monkeypatch):
+    """Golden numerics (fp32, no quantisation) keep the exact order's expert loop: a sync per MoE in every
+    call, decode steps included (golden is a parity baseline, not a serving mode)."""
+    with fake_cuda(monkeypatch) as rec:
+        model = build(fixture_shaped(), tokenizers["fixture"], "golden")
+        assert model.nx.golden and model.ctx.act_dtype == torch.float32
+        rec.syncs.clear()
+        got = run_phases(rec, model)
+    loop = {("bincount", "inference/kernels/numerics.py:routed_experts"),
+            ("value read on the host (item)", "inference/kernels/numerics.py:routed_experts")}
+    assert got["decode"] == loop and got["prefill"] == loop
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_engram_tables_off_the_device(where, tokenizers, monkeypatch):
+    """The tables in host memory (or mapped from the shard file): the rows a call needs are selected and
+    gathered on the host, then copied over; those are the only syncs a decode step adds."""
+    with fake_cuda(monkeypatch) as rec:
+        model = build(fixture_shaped(), tokenizers["fixture"], engram_on=where)
+        for table in (layer.engram.embed for layer in model.layers if layer.engram is not None):
+            if where == "disk":                      # what the loader maps from the shard file
+                for name in ("weight", "scale"):
+                    p = getattr(table, name)
+                    table.attach(name, torch.empty(p.shape, dtype=p.dtype, device="cpu"))
+            assert table.weight.device.type == "cpu"
+        rec.syncs.clear()
+        ids = torch.randint(4, 1000, (2, 30), device="cuda")
+        model(ids[:, :24], 0)
+        rec.phase = "decode"
+        model(ids[:, 24:25], 24)
+    assert rec.syncs["decode"] == {("boolean-mask index", "inference/engram.py:forward"),
+                                   ("copy to the host", "inference/engram.py:forward")}
+
+
+def test_a_decode_step_runs_the_same_ops_at_every_batch_size(tokenizers, monkeypatch):
+    """No Python loop grows with the batch in a fast decode step on a GPU (the routed experts indexed with
+    shapes fixed by the batch and top-k): the same op count at batch 1 and 2, and at 3 (where batch x top-k
+    passes the expert count, the other fixed form: every local expert on every token)."""
+    counts = []
+    with fake_cuda(monkeypatch) as rec:
+        model = build(fixture_shaped(), tokenizers["fixture"])
+        for batch in (1, 2, 3):
+            ids = torch.randint(4, 1000, (batch, 30), device="cuda")
+            model(ids[:, :24], 0)
+            rec.ops = 0
+            model(ids[:, 24:25], 24)
+            counts.append(rec.ops)
+    print("fast decode step ops on CUDA at batch 1, 2, 3:", counts)
+    assert counts[0] == counts[1] and counts[2] > 0
+
+
+def test_a_device_mismatch_is_caught(tokenizers, monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+    with fake_cuda(monkeypatch):
+        model = build(fixture_shaped(), tokenizers["fixture"])
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            model.layers[0].attn.wq_a(torch.zeros(1, 1, model.args.dim, dtype=torch.bfloat16))   # on the CPU
+
+
+def test_tilelang_wrappers_check_their_arguments_on_fake_cuda(monkeypatch):
+    """The wrappers' checks (dtype, shape, contiguity, device) on fake CUDA tensors of the shapes the model
+    passes, with the compiled kernels stubbed; wrong arguments are named in one line."""
+    from inference.kernels import tilelang_ops as ops
+    monkeypatch.setattr(ops, "_compiled", lambda *a: (lambda *tensors: None))
+    with fake_cuda(monkeypatch):
+        x = torch.zeros(3, 256, dtype=torch.bfloat16, device="cuda")
+        q, s = ops.act_quant(x)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 8)
+        w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn, device="cuda")
+        sc = torch.zeros(4, 8, dtype=torch.float8_e8m0fnu, device="cuda")
+        assert ops.fp8_gemm(x, w, sc).shape == (3, 128)
+        w4 = torch.zeros(128, 128, dtype=torch.float4_e2m1fn_x2, device="cuda")
+        s4 = torch.zeros(128, 8, dtype=torch.float8_e8m0fnu, device="cuda")
+        assert ops.fp4_gemm(x, w4, s4).shape == (3, 128)
+        qa = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kv = torch.zeros(1, 50, 128, dtype=torch.bfloat16, device="cuda")
+        idx = torch.zeros(1, 2, 16, dtype=torch.int32, device="cuda")
+        sink = torch.zeros(8, device="cuda")
+        assert ops.sparse_attn(qa, kv, sink, idx, 0.1).shape == qa.shape
+        pre, post, comb = ops.hc_split_sinkhorn(torch.zeros(2, 24, device="cuda"),
+                                                torch.zeros(3, device="cuda"), torch.zeros(24, device="cuda"),
+                                                4, 20, 1e-6)
+        assert comb.shape == (2, 4, 4)
+        assert ops.index_scores(qa[..., :64].contiguous(), kv[..., :64].contiguous(),
+                                torch.zeros(1, 2, 8, dtype=torch.bfloat16, device="cuda")).shape == (1, 2, 50)
+        for bad, message in ((lambda: ops.fp8_gemm(x.float()[:, :100], w, sc), "x must be"),
+                             (lambda: ops.fp8_gemm(x, w.t(), sc), "weight must be"),
+                             (lambda: ops.sparse_attn(qa, kv.cpu(), sink, idx, 0.1),
+                              "kv must be a CUDA tensor"),
+                             (lambda: ops.act_quant(torch.zeros(256, 64, dtype=torch.bfloat16,
+                                                                device="cuda").t()), "must be contiguous")):
+            with pytest.raises(ValueError, match=message):
+                bad()
+
+
+@pytest.mark.parametrize("shape", ["fixture", "released"])
+def test_the_tilelang_route_passes_its_wrappers_checks(shape, tokenizers, monkeypatch):
+    """A model on the TileLang route (the GPU taken as compute capability 9.0, the kernels stubbed): every
+    call the model makes passes the wrappers' checks (dtypes, shapes, contiguity, devices), in a prefill, a
+    decode step and an extend; and the route adds no host sync to a decode step either."""
+    from inference import kernels
+    from inference.kernels import tilelang_ops as ops
+    monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "_tilelang_imports", lambda: True)
+    monkeypatch.setattr(ops, "_compiled", lambda *a: (lambda *tensors: None))
+    with fake_cuda(monkeypatch) as rec:
+        args = fixture_shaped() if shape == "fixture" else released_two_layers()
+        model = build(args, tokenizers[shape], kernel_backend="auto")
+        assert type(model.nx).__name__ == "TileLang"
+        ids = torch.randint(4, 1000, (2, 30), device="cuda")
+        rec.syncs.clear()
+        rec.phase = "prefill"
+        model(ids[:, :24], 0)
+        rec.phase = "decode"
+        model(ids[:, 24:25], 24)
+        rec.phase = "extend"
+        model(ids[:, 25:28], 25, all_logits=True)
+    assert rec.syncs["prefill"] == LOOPED      # the experts loop over their active ones (each GEMM a kernel)
+    assert not rec.syncs["decode"] and not rec.syncs["extend"]      # fixed-shape experts, as the fast order
