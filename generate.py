@@ -21,6 +21,7 @@ from encoding import EncodingError, resolve_reasoning_effort
 from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import CheckpointError, check_checkpoint_dir, check_writable, load_model
+from inference.engine.cuda_graph import GraphedDecode
 from inference.engine.errors import InputError
 from inference.engine.generation import Runner, SpecOptions
 from inference.engine.prefill import prefill_chunk_for
@@ -32,12 +33,10 @@ from inference.parallel import ParallelContext, RankLog, shutdown
 from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
-
 CLIError = InputError   # bad options or input: reported as one line
 
-# Errors that mean "bad input or set-up": reported as one line, no traceback.
 KNOWN_ERRORS = (InputError, ConfigError, CheckpointError, EncodingError, TokenizerError, VisionError,
-                EngramError)
+                EngramError)    # "bad input or set-up": reported as one line, no traceback
 
 
 @dataclass
@@ -154,6 +153,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
     add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
+    add("--cuda-graph", action="store_true", help="decode steps as CUDA graphs, one per batch size, length "
+        "bucket and parity (plain generation on a GPU; not yet run on one)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if available)")
     add("--threads", type=int, default=None,
@@ -210,6 +211,9 @@ def check_options(o: argparse.Namespace) -> None:
          f"--max-batch-size must be >= 1, got {o.max_batch_size}"),
         (o.max_seq_len is not None and o.max_seq_len < 1, f"--max-seq-len must be >= 1, got {o.max_seq_len}"),
         (o.offload == "disk" and o.device != "cpu", f"--offload disk runs on the CPU (not {o.device})"),
+        (o.cuda_graph and (o.score or o.speculative != "none"),
+         "--cuda-graph is for plain generation (--input-file or --interactive, no --speculative)"),
+        (o.cuda_graph and o.device[:4] != "cuda", f"--cuda-graph needs a CUDA device, not {o.device}"),
         (o.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {o.device}: CUDA is not available (use --device cpu)"),
     ]
@@ -307,12 +311,13 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     work = read_inputs(sess)
 
     log.info(margs)
-    opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
+    opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
     sess.runner.prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
                                    log.info, offload=o.offload, dspark=o.dspark or spec is not None)
+    sess.runner.graphs = GraphedDecode(sess.runner.model) if o.cuda_graph else None
     start = time.perf_counter()
     if o.score:
         score_mode(sess, *work)
@@ -320,13 +325,8 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
         interactive_mode(sess)
     else:
         batch_mode(sess, work)
-    if sess.runner.records is not None:
-        sess.runner.records.close()
-    log.info(f"{sess.runner.stats.summary()}; total {time.perf_counter() - start:.2f} s")
-    if sess.runner.model.weight_stream is not None:
-        log.info(sess.runner.model.weight_stream.close())       # the streaming figures
-    if spec is not None:
-        log.info(sess.runner.spec_stats.summary(spec.verify, spec.k or margs.dspark_block_size))
+    for line in sess.runner.finish(time.perf_counter() - start):    # timings, streaming, speculation
+        log.info(line)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .compressor import Compressor
 from .config import ModelArgs
-from .indexer import Indexer, _group_positions
+from .indexer import Indexer, compressed_rows
 from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
 from .rope import apply_rotary_
@@ -112,7 +112,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         b, s, _ = x.shape
         end = start_pos + s
-        pos = slice(start_pos, end)
+        step = self.ctx.step               # a CUDA graph's decode step: the position is the tensor step.pos
+        pos = slice(start_pos, end) if step is None else step.pos.view(1)
         q, qr = self.project_q(x, pos)
         kv = self.project_kv(x, pos)
         if start_pos == 0:
@@ -123,6 +124,10 @@ class Attention(nn.Module):
                 self.kv_cache[:b, keep % self.window] = kv[:, -self.window:]
             kv_win, offset = kv, s
             idx_win = window_prefill_idx(s, self.window, x.device).expand(b, s, -1)
+        elif step is not None:
+            self.kv_cache[:b, (step.pos % self.window).view(1)] = kv
+            kv_win, offset = self.kv_cache[:b], self.window
+            idx_win = window_decode_idx(step.pos, self.window, x.device).expand(b, 1, -1)
         elif s == 1:
             self.kv_cache[:b, start_pos % self.window] = kv[:, 0]
             kv_win, offset = self.kv_cache[:b], self.window
@@ -144,7 +149,8 @@ class Attention(nn.Module):
             kv_all, idx = kv_win, idx_win
         else:
             topk = self.compressed_path(x, qr, start_pos, offset)
-            compressed = self.ctx.shared.compress_kv[:b, :end // self.ratio]
+            length = end if step is None else step.length               # the bucket: rows past pos masked
+            compressed = self.ctx.shared.compress_kv[:b, :length // self.ratio]
             kv_all = torch.cat([kv_win, compressed], dim=1)                     # [B, n_win + T, hd]
             idx = torch.cat([idx_win, topk], dim=-1)
         o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)   # [B, S, H_l, hd]
@@ -152,13 +158,13 @@ class Attention(nn.Module):
 
     def compressed_path(self, x, qr, start_pos: int, offset: int) -> torch.Tensor:
         b, s, _ = x.shape
-        st, r = self.ctx.shared, self.ratio
+        st, r, step = self.ctx.shared, self.ratio, self.ctx.step
         latent: Optional[torch.Tensor] = None
         if self.compressor is not None:
             latent = self.compressor(x, start_pos)                             # [B, n, hd], unrotated
             st.compress_kv = self.compress_cache
         if self.indexer is not None:
-            if (start_pos + s) // r == 0:
+            if step is None and (start_pos + s) // r == 0:                    # (a decode step is past 0)
                 topk = torch.empty(b, s, 0, dtype=torch.int32, device=x.device)
             else:
                 topk = self.indexer(x, qr, latent, start_pos, offset)
@@ -166,10 +172,8 @@ class Attention(nn.Module):
         else:
             topk = st.topk_idxs
         if latent is not None:
-            n = latent.shape[1]
-            group_pos = _group_positions(start_pos, n, r, x.device)
+            rows, group_pos = compressed_rows(start_pos, latent.shape[1], r, step, x.device)
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[group_pos], self.nx)
             self.nx.fp4_qdq_e4m3_(latent)                                      # the cache's rounding
-            first = start_pos // r
-            self.compress_cache[:b, first:first + n] = latent
+            self.compress_cache[:b, rows] = latent
         return topk

@@ -37,7 +37,8 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = self.ctx.per_position(self.wkv, xf)                     # [B, S, hd] fp32 (verification: a
         score = self.ctx.per_position(self.wgate, xf)                # decode step's shape per position)
-        if start_pos == 0 or s > 1 and not self.ctx.decode_shapes:
+        step = self.ctx.step           # a CUDA graph's decode step: only the position's parity is known here
+        if step is None and (start_pos == 0 or s > 1 and not self.ctx.decode_shapes):
             # A prefill, or a chunk of one: whole groups pooled at once. A group the last call left open
             # (start_pos odd) starts with the carried tail; an odd last token becomes the new tail.
             if start_pos % 2:
@@ -55,7 +56,9 @@ class Compressor(nn.Module):
             score = score[:, :2 * n].unflatten(1, (n, 2))
             pooled = self._pool(kv, score, 2)                        # [B, n, hd]
         else:
-            # Decode, or a verification call processed position by position exactly as decode does.
+            # Decode, or a verification call processed position by position exactly as decode does (the
+            # group slot and whether a group completes depend on the position's parity alone).
+            start_pos = start_pos if step is None else step.parity
             if s > 1:
                 self.journal = (start_pos, self.kv_state[:b].clone(), self.score_state[:b].clone(), kv, score)
             pooled = []

@@ -193,14 +193,15 @@ class EngramHasher(nn.Module):
         self.ids.fill_(DEAD)
 
     @torch.no_grad()
-    def hash(self, input_ids: torch.Tensor, start_pos: int,
-             token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Rows [B, S, n_engram_layers, (max_ngram - 1) * n_heads] int64, offsets included."""
+    def hash(self, input_ids: torch.Tensor, start_pos: int, token_mask: Optional[torch.Tensor] = None,
+             positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows [B, S, n_engram_layers, (max_ngram - 1) * n_heads] int64, offsets included. `positions` [S]:
+        the call's positions as a device tensor (a CUDA graph's decode step), instead of start_pos."""
         bsz, seqlen = input_ids.shape
         end = start_pos + seqlen
         if bsz > self.max_batch_size:
             raise EngramError(f"batch of {bsz} rows exceeds max_batch_size = {self.max_batch_size}")
-        if start_pos < 0 or end > self.max_seq_len:
+        if positions is None and (start_pos < 0 or end > self.max_seq_len):
             raise EngramError(f"positions {start_pos}..{end - 1} exceed max_seq_len = {self.max_seq_len}")
         if token_mask is None:
             token_mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -214,12 +215,16 @@ class EngramHasher(nn.Module):
 
         # Masked positions may carry any id (image placeholder); look up a harmless 0 there.
         cur = self.token_map[torch.where(token_mask, input_ids, 0)]
-        self.ids[:bsz, start_pos:end] = torch.where(token_mask, cur, DEAD)
+        dev = self.ids.device
+        if positions is None:
+            self.ids[:bsz, start_pos:end] = torch.where(token_mask, cur, DEAD)
+            positions = torch.arange(start_pos, end, device=dev)
+        else:
+            self.ids[:bsz, positions] = torch.where(token_mask, cur, DEAD)
 
         # Look-back window: shift s reads position p - s; blocked once it passes the start or a dead token.
         k = self.layout.max_ngram
-        dev = self.ids.device
-        pos = torch.arange(start_pos, end, device=dev)[:, None] - torch.arange(k, device=dev)  # [S, k]
+        pos = positions[:, None] - torch.arange(k, device=dev)  # [S, k]
         src = self.ids[:bsz][:, pos.clamp(min=0)]  # [B, S, k]
         blocked = (pos < 0) | (src == DEAD)
         blocked = blocked.cumsum(dim=-1) > 0  # once blocked, every older slot is blocked too
@@ -276,7 +281,8 @@ class ParallelEngramEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.part)
         if self.placement == "device":
             safe = local.masked_fill(outside, 0)
-            y = self.dequantize(self.weight[safe], self.scale[safe])          # [..., dim]
+            # the rows' bytes gathered (torch before 2.10 indexes no float8 tensor on the CPU)
+            y = self.dequantize(*(t.view(torch.uint8)[safe].view(t.dtype) for t in (self.weight, self.scale)))
             if self.par.world_size > 1:
                 y[outside] = 0
         else:

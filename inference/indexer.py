@@ -63,22 +63,22 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
                 offset: int) -> torch.Tensor:
         b, s, _ = x.shape
-        end, r, st, nx = start_pos + s, self.ratio, self.ctx.shared, self.nx
+        end, r, st, nx, step = start_pos + s, self.ratio, self.ctx.shared, self.nx, self.ctx.step
         freqs = self.ctx.compress_freqs
         if self.owns_keys and latent is not None:
-            n = latent.shape[1]
-            first = start_pos // r
+            rows, group_pos = compressed_rows(start_pos, latent.shape[1], r, step, x.device)
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
-            apply_rotary_(k[..., -self.rope_dim:], freqs[_group_positions(start_pos, n, r, x.device)], nx)
+            apply_rotary_(k[..., -self.rope_dim:], freqs[group_pos], nx)
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
-            self.k_cache[:b, first:first + n] = k
+            self.k_cache[:b, rows] = k
             st.index_k = self.k_cache
         elif self.owns_keys and (self.ctx.opts.fix_index_k_publish or self.ctx.prefilling):
             st.index_k = self.k_cache        # a prefill chunk publishes what the whole prefill would have
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
-        apply_rotary_(q[..., -self.rope_dim:], freqs[start_pos:end], nx)
+        rows = slice(start_pos, end) if step is None else step.pos.view(1)
+        apply_rotary_(q[..., -self.rope_dim:], freqs[rows], nx)
         nx.fp4_qdq_e8m0_(q)
-        t = end // r
+        t = end // r if step is None else step.length // r        # a CUDA graph's step: its bucket
         keys = st.index_k[:b, :t]                                    # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
@@ -90,7 +90,10 @@ class Indexer(nn.Module):
             stale_score = nx.index_scores(q, st.index_k_at_call_start[:b, :t], w, self.ctx.par)
             incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        if start_pos == 0:
+        if step is not None:                                         # the bucket's rows past pos: masked
+            lens = ((step.pos + 1) // r).view(1)
+            score = score.masked_fill(torch.arange(t, device=x.device) >= lens, float("-inf"))
+        elif start_pos == 0:
             lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
             score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
         else:
@@ -111,6 +114,11 @@ class Indexer(nn.Module):
         return top.to(torch.int32)                                   # [B, S, k]
 
 
-def _group_positions(start_pos: int, n: int, ratio: int, device=None) -> torch.Tensor:
-    """RoPE position of each new compressed entry: the group's first token (decode: start_pos + 1 - ratio)."""
-    return (start_pos // ratio + torch.arange(n, device=device)) * ratio
+def compressed_rows(start_pos: int, n: int, ratio: int, step=None, device=None):
+    """Where a call's n new compressed entries go: (their cache rows, the RoPE position of each, the first
+    token of its group). In a CUDA graph's decode step, from the tensor position."""
+    if step is not None:
+        rows = (step.pos // ratio).view(1)
+        return rows, rows * ratio
+    first = start_pos // ratio
+    return slice(first, first + n), (first + torch.arange(n, device=device)) * ratio

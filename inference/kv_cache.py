@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .quant import E2M1_TABLE, FP8_MAX, ceil_pow2, e2m1_round, float_to_ue8m0, ue8m0_to_float
+from .quant import FP8_MAX, ceil_pow2, e2m1_round, e2m1_values, float_to_ue8m0, ue8m0_to_float
 
 E4M3_MIN_SCALE = 2.0 ** -9     # the smallest E4M3 scale the compressed-KV rounding uses (an all-zero group)
-_E2M1_BOUNDS = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]   # midpoints of the E2M1 magnitudes
 DECODE_CHUNK = 1 << 22         # values decoded at a time on a read
 
 
@@ -63,7 +62,7 @@ def _code_values(f: Format, codes: torch.Tensor) -> torch.Tensor:
     if f.codes == "e4m3":
         return codes.view(torch.float8_e4m3fn).float()
     nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()      # [..., D]
-    return torch.tensor(E2M1_TABLE, dtype=torch.float32, device=codes.device)[nibbles]
+    return e2m1_values(codes.device)[nibbles]
 
 
 def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
@@ -76,7 +75,8 @@ def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bflo
 
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Values on the E2M1 grid -> 4-bit codes (bit 3 = sign, -0.0 included)."""
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=v.device)
+    mags = e2m1_values(v.device)[:8]
+    bounds = (mags[:-1] + mags[1:]) / 2                       # the midpoints between E2M1 magnitudes
     mag = torch.bucketize(v.abs(), bounds).to(torch.uint8)
     return mag | (torch.signbit(v).to(torch.uint8) << 3)
 

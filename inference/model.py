@@ -14,7 +14,7 @@ from .kernels import drop_derived
 from .layers import ParallelEmbedding, ParallelHead, RMSNorm
 from .parallel import ParallelContext
 from .sampling import sample
-from .state import ModelContext
+from .state import DecodeStep, ModelContext
 from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddings
 
 
@@ -121,7 +121,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
                 token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
-                capture: Optional[Dict[str, List[torch.Tensor]]] = None, prefill: Optional[bool] = None):
+                capture: Optional[Dict[str, List[torch.Tensor]]] = None, prefill: Optional[bool] = None,
+                step: Optional[DecodeStep] = None):
         """input_ids [B, S] at positions [start_pos, start_pos + S) -> (next_ids [B], logits [B, V] (or
         [B, S, V] with all_logits) fp32, main_hidden [B, S, len(targets)*D] bf16 or None).
 
@@ -130,13 +131,18 @@ class Transformer(nn.Module):
         numerics). Otherwise every row is a decode step at its position: S = 1 decodes; S > 1 (at most
         window_size) verifies speculative drafts, each row equal to decoding it alone, and rollback() forgets
         the rows that were not accepted. Image spans may sit in any prefill chunk, each inside one.
+        `step` (a DecodeStep): one decode step at the device position step.pos, start_pos unused: the step
+        a CUDA graph captures and replays at every position of a length bucket (engine/cuda_graph.py).
 
         `capture` (parity bisection, inference/parity.py) receives lists of this call's tensors:
         one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
         engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
         a = self.args
+        if step is not None:
+            start_pos, prefill = -1, False      # no layer may read an int position: a graph would keep it
         prefill = start_pos == 0 if prefill is None else prefill
-        self.check_inputs(input_ids, start_pos, prefill)
+        if step is None:
+            self.check_inputs(input_ids, start_pos, prefill)
         b, s = input_ids.shape
         image_mask = token_types >= 0 if token_types is not None else None
         engram_mask = ~image_mask if image_mask is not None else None
@@ -144,7 +150,8 @@ class Transformer(nn.Module):
         if a.engram_layer_ids:
             if self.engram_hasher is None:
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
-            hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask)    # [B, S, n_eng, cols]
+            at = None if step is None else step.pos.view(1)
+            hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask, at)   # [B, S, n_eng, cols]
             if capture is not None:
                 capture["engram_hashes"] = [hashes]
         h = self.embed(input_ids)                                                   # [B, S, D]
@@ -155,7 +162,7 @@ class Transformer(nn.Module):
         pre[..., 0] = 1                                                              # one-hot on stream 0
         self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
         self.ctx.shared.candidates = None   # written and read within a call; None = not computed in this one
-        self.ctx.prefilling, self.ctx.decode_shapes = prefill, not prefill and s > 1
+        self.ctx.prefilling, self.ctx.decode_shapes, self.ctx.step = prefill, not prefill and s > 1, step
         try:
             x, pre, main_hidden = self.blocks(x, pre, start_pos, hashes, image_mask, engram_mask, capture)
             x = self.norm(hc_pre(x, pre, self.nx))
@@ -165,6 +172,7 @@ class Transformer(nn.Module):
             logits = self.head(x, all_positions=all_logits)                         # [B, V] / [B, S, V]
         finally:
             self.ctx.prefilling = self.ctx.decode_shapes = False
+            self.ctx.step = None
         next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature, self.nx)
         return next_ids, logits, main_hidden
 

@@ -15,6 +15,15 @@ C6 = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()      # fl32(1/6)
 E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
+def e2m1_values(device=None, dtype=torch.float32) -> torch.Tensor:
+    """E2M1_TABLE as a tensor on `device`, computed there from the codes (no copy from the host, so it can be
+    made inside a captured CUDA graph): magnitude index m < 2 -> m / 2, else 2^(m/2 - 1) (1 + (m odd) / 2)."""
+    c = torch.arange(16, device=device)
+    m = c & 7
+    mag = torch.where(m < 2, m * 0.5, torch.pow(2.0, (m >> 1) - 1) * (1 + (m & 1) * 0.5))
+    return torch.where(c >= 8, -mag, mag).to(dtype)
+
+
 def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= y for positive normal fp32 y, from the bits (never a rounding cast)."""
     bits = y.float().contiguous().view(torch.int32)
@@ -55,8 +64,7 @@ def unpack_fp4(w: torch.Tensor) -> torch.Tensor:
     """float4_e2m1fn_x2 [N, K/2] (low nibble = even element) -> fp32 values [N, K]."""
     b = w.view(torch.uint8)
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2).long()   # [N, K]
-    table = torch.tensor(E2M1_TABLE, dtype=torch.float32, device=w.device)
-    return table[codes]
+    return e2m1_values(w.device)[codes]
 
 
 def dequant_fp8_weight(w: torch.Tensor, s: torch.Tensor, block: int = 32) -> torch.Tensor:

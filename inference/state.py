@@ -28,6 +28,18 @@ class SharedAttentionState:
 
 
 @dataclass
+class DecodeStep:
+    """A decode step whose position is a device tensor, so that one CUDA graph replays it at every position of
+    a length bucket (inference/engine/cuda_graph.py). `pos`: [] int64 on the model's device. `parity`: pos %
+    2, known when the graph is captured (a ratio-2 group completes at odd positions, and what a layer then
+    writes and publishes differs: one graph per parity). `length`: the bucket, a multiple of 2 and > pos: a
+    step reads length // ratio compressed rows, those past its position masked out of the index scores."""
+    pos: torch.Tensor
+    parity: int
+    length: int
+
+
+@dataclass
 class ModelContext:
     """Everything a layer needs besides its own weights: config, parallelism, options, the numerics, RoPE,
     shared state. `numerics` is made from the options and the device when not given (numerics_for)."""
@@ -43,6 +55,8 @@ class ModelContext:
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
     # True during a prefill call or a chunk of one (the index-key owners publish as one call would).
     prefilling: bool = False
+    # Set during a decode step whose position is a tensor (a CUDA graph's): the layers read it from here.
+    step: Optional[DecodeStep] = None
     # True during the speculative verification of several positions: per-token computations whose rounding
     # depends on the tensor's size (fp32 GEMMs; transcendental ops on a few elements, vectorized or not) run
     # one position at a time, as a decode step runs them, so that verification equals decoding exactly; and

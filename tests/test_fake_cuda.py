@@ -258,10 +258,11 @@ def test_a_decode_step_runs_the_same_ops_at_every_batch_size(tokenizers, monkeyp
 
 
 def test_a_device_mismatch_is_caught(tokenizers, monkeypatch):
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+    from torch._subclasses import fake_tensor
+    mismatch = getattr(fake_tensor, "FakeTensorDeviceMismatchError", RuntimeError)   # torch < 2.13: the base
     with fake_cuda(monkeypatch):
         model = build(fixture_shaped(), tokenizers["fixture"])
-        with pytest.raises(FakeTensorDeviceMismatchError):
+        with pytest.raises(mismatch, match="devices"):
             model.layers[0].attn.wq_a(torch.zeros(1, 1, model.args.dim, dtype=torch.bfloat16))   # on the CPU
 
 
@@ -326,3 +327,23 @@ def test_the_tilelang_route_passes_its_wrappers_checks(shape, tokenizers, monkey
         model(ids[:, 25:28], 25, all_logits=True)
     assert rec.syncs["prefill"] == LOOPED      # the experts loop over their active ones (each GEMM a kernel)
     assert not rec.syncs["decode"] and not rec.syncs["extend"]      # fixed-shape experts, as the fast order
+
+
+def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers, monkeypatch):
+    """--cuda-graph's step (a tensor position, a length bucket): no host sync, and the same ops at every
+    position of a bucket and parity, so one capture replays at all of them (engine/cuda_graph.py)."""
+    from inference.engine.cuda_graph import bucket
+    from inference.state import DecodeStep
+    counts = {}
+    with fake_cuda(monkeypatch) as rec:
+        model = build(fixture_shaped(), tokenizers["fixture"], deterministic_topk=True)
+        ids = torch.randint(4, 1000, (2, 30), device="cuda")
+        model(ids[:, :24], 0)
+        rec.syncs.clear()
+        for p in (40, 42, 41, 43):
+            rec.phase, rec.ops = "graphed step", 0
+            step = DecodeStep(torch.tensor(p, device="cuda"), p % 2, bucket(p, 96, minimum=32))
+            model(ids[:, 24:25], step=step)
+            counts[p] = rec.ops
+    assert not rec.syncs["graphed step"]
+    assert counts[40] == counts[42] and counts[41] == counts[43], counts

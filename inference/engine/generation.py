@@ -54,10 +54,11 @@ def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Ca
 @torch.inference_mode()
 def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id: int,
              prompt_token_types: Optional[List[List[int]]] = None, images: Optional[list] = None,
-             stats: Optional[Stats] = None,
-             prefill_chunk: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
+             stats: Optional[Stats] = None, prefill_chunk: Optional[int] = None,
+             graphs=None) -> Tuple[List[List[int]], List[str]]:
     """Batched generation, prompts right-padded as in the official loop; the prefill in calls of at most
-    `prefill_chunk` positions (None: one call).
+    `prefill_chunk` positions (None: one call); decode steps replayed from CUDA graphs with `graphs` (a
+    cuda_graph.GraphedDecode).
 
     Returns per prompt the completion ids (EOS excluded, at most max_new_tokens) and the finish reason
     ("eos" or "length").
@@ -84,7 +85,8 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
                                     token_types=None if types is None else types[:, :cur], images=images,
                                     chunk=prefill_chunk)
         else:
-            next_ids, _ = _timed(stats, "decode", bsz, device, decode_step, model, tokens[:, prev:cur], prev)
+            step = decode_step if graphs is None else lambda _, ids, pos: graphs(ids, pos)
+            next_ids, _ = _timed(stats, "decode", bsz, device, step, model, tokens[:, prev:cur], prev)
         # Rows still inside their prompt keep the prompt token (teacher forcing).
         next_ids = torch.where(in_prompt[:, cur], tokens[:, cur], next_ids)
         tokens[:, cur] = next_ids
@@ -108,13 +110,13 @@ class SpecOptions:
 
 def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, stats: Stats,
              spec: Optional[SpecOptions] = None, spec_stats: Optional[SpecStats] = None,
-             prefill_chunk: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
+             prefill_chunk: Optional[int] = None, graphs=None) -> Tuple[List[List[int]], List[str]]:
     """One batch of prepared prompts -> completion ids and finish reasons. Timings go to `stats`; with `spec`
     the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`."""
     types, images = vision_inputs(prompts)
     if spec is None:
-        return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id,
-                        prompt_token_types=types, images=images, stats=stats, prefill_chunk=prefill_chunk)
+        return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id, prompt_token_types=types,
+                        images=images, stats=stats, prefill_chunk=prefill_chunk, graphs=graphs)
     try:
         completions, reasons, st = speculative_generate_batch(
             model, [p.ids for p in prompts], max_new_tokens, eos_id, spec.temperature, spec.k, spec.verify,
@@ -144,10 +146,25 @@ class Runner:
     records: Any = None
     rank: int = 0
     prefill_chunk: Optional[int] = None       # positions per prefill call (None: one call)
+    graphs: Any = None                        # --cuda-graph: decode steps as CUDA graphs (cuda_graph.py)
 
     def __post_init__(self):
         if self.spec is not None and self.spec_stats is None:
             self.spec_stats = SpecStats()
+
+    def finish(self, seconds: float) -> List[str]:
+        """Close what the run opened; the summary lines: timings, the weight stream's figures, speculation."""
+        if self.records is not None:
+            self.records.close()
+        lines = [f"{self.stats.summary()}; total {seconds:.2f} s"]
+        if self.graphs is not None:
+            lines.append(f"CUDA graphs captured: {self.graphs.captured}")
+        if self.model.weight_stream is not None:
+            lines.append(self.model.weight_stream.close())
+        if self.spec is not None:
+            k = self.spec.k or self.model.args.dspark_block_size
+            lines.append(self.spec_stats.summary(self.spec.verify, k))
+        return lines
 
     def run_all(self, prompts: List[Prompt], max_batch_size: int):
         """-> (prompt, completion or None off rank 0), in order. Prompts with images run one at a time (every
@@ -162,7 +179,7 @@ class Runner:
         """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
         other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn."""
         ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats, self.spec,
-                                self.spec_stats, self.prefill_chunk)
+                                self.spec_stats, self.prefill_chunk, self.graphs)
         if self.rank != 0:
             return [None] * len(prompts)
         done = []

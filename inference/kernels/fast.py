@@ -35,7 +35,7 @@ from the arithmetic.
 import torch
 import torch.nn.functional as F
 
-from ..quant import E2M1_TABLE, ue8m0_to_float
+from ..quant import e2m1_values, ue8m0_to_float
 from .reference import CHUNK, Exact, act_quant
 
 BLOCK = 32
@@ -72,7 +72,7 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: 
         return weight.to(dtype) * s
     b = weight.view(torch.uint8)
     codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2).long()   # [..., N, K], low nibble first
-    values = torch.tensor(E2M1_TABLE, dtype=dtype, device=weight.device)[codes]
+    values = e2m1_values(weight.device, dtype)[codes]
     return values * s.repeat_interleave(BLOCK, -1)
 
 

@@ -1,0 +1,87 @@
+"""`--cuda-graph`: decode steps captured as CUDA graphs and replayed.
+
+A decode step's shapes are fixed by the batch, but what it reads grows with the position: the window ring is
+allocated whole, the compressed KV and the index keys grow by a row per group. So the captured step runs at a
+tensor position (`Transformer.forward(..., step=DecodeStep)`: every position-dependent index is computed on
+the device) and reads a *length bucket*, the smallest power of two above the position (at least MIN_BUCKET,
+at most max_seq_len), its compressed rows past the position masked out of the index scores. One graph per
+(batch size, bucket, parity of the position): a ratio-2 layer completes a group at odd positions only, and
+then writes and publishes what it does not at even ones. A graph is captured the first time its key is met:
+the step runs once on a side stream (that run is the step's result, and it builds what the layers derive from
+their weights), then it is captured, reading its ids and position from static input buffers; every graph
+allocates from one shared memory pool. A replay copies the ids and the position into those buffers and writes
+the caches in place, as the eager step does.
+
+Ties: which of several exactly tied index scores torch.topk keeps depends on the row's length, and the bucket's
+rows are longer than the eager step's, so --cuda-graph implies --deterministic-topk (ties broken by the
+lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits (tests/test_cuda_graph.py, on CPU, in the
+exact, fast and invariant orders); a replay against eager logits, bit for bit, is the device check's
+`cudagraph` phase (inference/tools/gpu_check.py). Not yet run on a GPU.
+"""
+from typing import Dict, Tuple
+
+import torch
+
+from ..state import DecodeStep
+from .errors import InputError
+
+MIN_BUCKET = 256
+
+
+def bucket(pos: int, max_seq_len: int, minimum: int = MIN_BUCKET) -> int:
+    """The length bucket of a decode step at `pos`: the smallest power of two > pos (>= minimum), at most
+    max_seq_len."""
+    length = minimum
+    while length <= pos:
+        length *= 2
+    return min(length, max_seq_len)
+
+
+class GraphedDecode:
+    """Decode steps of `model` through CUDA graphs: `graphs(ids [B, 1], pos)` -> (next ids [B], logits
+    [B, V]), as `generation.decode_step` returns them."""
+
+    def __init__(self, model):
+        device = torch.device(model.ctx.device)
+        if not model.ctx.opts.deterministic_topk:
+            raise InputError("--cuda-graph needs --deterministic-topk: which of several tied index scores "
+                             "torch.topk keeps depends on the row's length, and a graph reads a bucket's")
+        if device.type != "cuda":
+            raise InputError(f"--cuda-graph captures decode steps on a CUDA device (the model is on "
+                             f"{device})")
+        if model.ctx.opts.engram_on != "device" and model.args.engram_layer_ids:
+            raise InputError("--cuda-graph needs the Engram tables on the device (--engram-on device): a "
+                             "step looks rows up on the host otherwise")
+        self.model, self.device = model, device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: Dict[Tuple[int, int, int], tuple] = {}
+        self.captured = 0
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, pos: int):
+        key = (ids.shape[0], bucket(pos, self.model.args.max_seq_len), pos % 2)
+        if key not in self.graphs:
+            return self._capture(key, ids, pos)
+        graph, static_ids, static_pos, out = self.graphs[key]
+        static_ids.copy_(ids)
+        static_pos.fill_(pos)
+        graph.replay()
+        return out[0].clone(), out[1].clone()
+
+    def _capture(self, key, ids: torch.Tensor, pos: int):
+        batch, length, parity = key
+        static_ids = ids.to(self.device).clone()
+        static_pos = torch.full((), pos, dtype=torch.long, device=self.device)
+        step = DecodeStep(static_pos, parity, length)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):                    # the step itself, eagerly: its result is returned
+            next_ids, logits, _ = self.model(static_ids, step=step)
+            result = next_ids.clone(), logits.clone()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):   # recorded, not run
+            next_ids, logits, _ = self.model(static_ids, step=step)
+        self.graphs[key] = (graph, static_ids, static_pos, (next_ids, logits))
+        self.captured += 1
+        return result
