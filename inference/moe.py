@@ -94,8 +94,8 @@ class MoE(nn.Module):
         self.gate = Gate(a.dim, n_experts, topk, ctx, with_bias_vl)
         # This rank's experts live in one layout per projection, [n_local, ...] weights and scales; each
         # expert's Linears hold views of its row (the checkpoint names stay per expert). A decode step on a
-        # GPU indexes the experts it selects there, with shapes fixed by the batch: no host sync, no copy per
-        # step. (Weights streamed from disk replace each expert's tensors: they keep their own.)
+        # GPU indexes the experts it selects there, with shapes fixed by the batch: no host sync. (Weights
+        # streamed from disk replace each expert's tensors: they keep their own.)
         self.stacked = (None if ctx.streamed
                         else stacked_experts(a.dim, a.moe_inter_dim, expert_kind, self.n_local))
         self.experts = nn.ModuleList([

@@ -121,6 +121,24 @@ def bench_context(model, context: int, steps: int, gen: torch.Generator):
     return context / t_prefill, 1e3 * sum(times) / len(times), moved
 
 
+def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: int = 6) -> str:
+    """torch.profiler over `steps` decode steps after a prefill of `context`: self CPU ms per step, in all and
+    for the ops that took most (aten::cat: copies a step makes of weights or caches)."""
+    from torch.profiler import profile
+    model.reset()
+    ids = torch.randint(3, model.args.vocab_size, (1, context + steps + 2), generator=gen)
+    model(ids[:, :context], 0)
+    model(ids[:, context:context + 1], context)                      # warm: what a step derives once
+    with profile() as prof:
+        for i in range(1, steps + 1):
+            model(ids[:, context + i:context + i + 1], context + i)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    names = [e for e in events[:top]] + [e for e in events[top:] if e.key == "aten::cat"]
+    rows = [f"{e.key} {e.self_cpu_time_total / steps / 1e3:.1f} ms ({e.count // steps} calls)" for e in names]
+    return f"self CPU per decode step {total:.1f} ms: " + ", ".join(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
@@ -136,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto")
     ap.add_argument("--engram-on", choices=["device", "host", "disk"], default="device",
                     help="where the Engram tables live; host/disk copy the looked-up rows (bytes reported)")
+    ap.add_argument("--profile", action="store_true", help="also profile decode steps (torch.profiler): "
+                    "self CPU ms per step and the ops that took most")
     opts = ap.parse_args(argv)
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -159,6 +179,8 @@ def main(argv=None):
             print(f"[{name}] context {ctx:6d}: prefill {tps:9.1f} tok/s | decode {ms:8.1f} ms/step "
                   f"({1e3 / ms:6.2f} tok/s, {per_token / ms / 1e6:6.2f} GB/s of weights) | Engram on "
                   f"{opts.engram_on}: {moved / 1e3:.1f} KB moved per step")
+            if opts.profile:
+                print(f"[{name}] context {ctx:6d}: {profile_decode(model, ctx, opts.decode_steps, gen)}")
         if len(contexts) > 1:
             lo, hi = min(contexts), max(contexts)
             print(f"[{name}] decode cost at {hi} vs {lo} context: {results[hi] / results[lo]:.2f}x")
