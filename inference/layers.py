@@ -97,7 +97,7 @@ class ParallelEmbedding(nn.Module):
         else:
             outside = (ids < self.start) | (ids >= self.start + self.part)
             y = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-            y[outside] = 0
+            y = y.masked_fill(outside.unsqueeze(-1), 0)        # (a boolean index would sync with the host)
             y = self.par.all_reduce(y)   # exact: one rank holds each row, the others add zeros
         return y.to(self.act_dtype)
 

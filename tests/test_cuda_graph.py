@@ -45,7 +45,8 @@ def test_the_captured_step_gives_the_eager_steps_bits(numerics, seqs):
                 for p in range(PROMPT, LAST):
                     ids = seqs[:, p:p + 1]
                     if graphed:
-                        step = DecodeStep(torch.tensor(p), p % 2, bucket(p, model.args.max_seq_len, minimum=32))
+                        length = bucket(p, model.args.max_seq_len, minimum=32)
+                        step = DecodeStep(torch.tensor(p), p % 2, length)
                         steps.append(model(ids, -999, step=step)[1])      # the int position is not read
                     else:
                         steps.append(model(ids, p)[1])
@@ -61,8 +62,9 @@ def test_buckets():
 
 
 def test_cuda_graph_on_a_cpu_is_one_line(tmp_path):
-    proc = run_cli(["--ckpt-path", FIXTURE, "--config", os.path.join(FIXTURE, "config.json"), "--device", "cpu",
-                    "--input-file", os.path.join(ROOT, "demo", "prompts.txt"), "--cuda-graph"])
+    proc = run_cli(["--ckpt-path", FIXTURE, "--config", os.path.join(FIXTURE, "config.json"),
+                    "--device", "cpu", "--input-file", os.path.join(ROOT, "demo", "prompts.txt"),
+                    "--cuda-graph"])
     assert_clean_error(proc, "--cuda-graph needs a CUDA device, not cpu")
     with pytest.raises(InputError, match="needs --deterministic-topk"):
         GraphedDecode(fixture_model())

@@ -1,11 +1,18 @@
 """The device check, prepared on a CPU machine (inference/tools/gpu_check.py, run.sh; docs/cli.md §4.3): the
 CPU rehearsal of every phase, the budget table, the one-line answers without CUDA, and the wheels for an
-offline GPU host: downloaded by `bash run.sh wheels` (network to PyPI needed), packed, installed into a
-private folder. Only a test that needs CUDA may be skipped, and none here does."""
+offline GPU host: packed in parts and installed from them (a fake wheel set, offline), and the real set
+downloaded by `bash run.sh wheels` (network to PyPI needed), installed into a private folder, imported in a
+fresh venv. The costly steps happen once, in module fixtures: one pack, one download, one install of the real
+wheels. Only a test that needs CUDA may be skipped, and none here does."""
+import contextlib
+import glob
 import importlib.metadata
+import io
 import json
 import os
+import random
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -78,7 +85,7 @@ def test_rehearsal_fails_when_a_phase_setup_raises(monkeypatch, capsys):
     assert gpu_check.main(["--rehearse", "--phases", "fine"]) == 0
 
 
-def test_phase_budgets_fit_eight_minutes_and_match_the_docstring():
+def test_phase_budgets_fit_eight_minutes_and_match_the_docstring(capsys):
     budgets = {p.name: p.budget for p in gpu_check.PHASES}
     assert not set(budgets) & set(gpu_check.RESERVED)
     total = sum(budgets.values()) + sum(gpu_check.RESERVED.values()) + gpu_check.START_UP_SECONDS
@@ -87,8 +94,11 @@ def test_phase_budgets_fit_eight_minutes_and_match_the_docstring():
     rows = dict(re.findall(r"^  \(?([\w-]+)\)?\s+(\d+)(?:  |$)", table, re.M))
     assert {k: int(v) for k, v in rows.items()} == {**budgets, **gpu_check.RESERVED,
                                                     "start-up": gpu_check.START_UP_SECONDS, "total": total}
-    proc = run([sys.executable, "-m", "inference.tools.gpu_check", "--help"])
-    assert f"(default {sum(budgets.values())}, the phases' budgets summed)" in " ".join(proc.stdout.split())
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"(default {sum(budgets.values())}, the phases' budgets summed)" in " ".join(out.split())
 
 
 # ---- without CUDA ----
@@ -101,7 +111,8 @@ def test_run_sh_gpu_check_without_cuda_prints_one_line_and_exits_2():
 @pytest.mark.parametrize("args,start", [
     (["--wheels", "/nonexistent/w"], "run.sh: error: gpu-check --wheels /nonexistent/w: no such folder"),
     (["--wheels=/nonexistent/w.tar.xz"], "run.sh: error: gpu-check --wheels /nonexistent/w.tar.xz: no such"),
-    (["--wheels"], "run.sh: error: gpu-check --wheels needs a folder or a .tar.xz"),
+    (["--wheels", "/nonexistent/w.tar.xz.part0"], "run.sh: error: gpu-check --wheels /nonexistent/w.tar.x"),
+    (["--wheels"], "run.sh: error: gpu-check --wheels needs a folder, a .tar.xz or its .part0"),
 ])
 def test_gpu_check_wheels_option_errors(args, start):
     one_error_line(run(["bash", RUN_SH, "gpu-check", *args], env={"CUDA_VISIBLE_DEVICES": ""}), start)
@@ -153,52 +164,150 @@ def test_dependencies_read_from_metadata_for_the_hosts_python():
     assert not {"torch", "numpy", "pytest", "hypothesis", "pytest-xdist"} & set(names)
 
 
-def _fake_wheel(folder, name: str, version: str, body: str) -> str:
-    """A minimal pure-Python wheel: module `name` with `body`, its dist-info."""
+def _fake_wheel(folder, name: str, version: str, body: str, blob: bytes = b"") -> str:
+    """A minimal pure-Python wheel: module `name` with `body` (and `blob` as name/blob.bin), its dist-info."""
     fname = f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": body,
+    files = {f"{name}/__init__.py": body, f"{name}/blob.bin": blob,
              f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                               "Tag: py3-none-any\n"}
     files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(os.path.join(folder, fname), "w", zipfile.ZIP_DEFLATED) as z:
-        for f, text in files.items():
-            z.writestr(f, text)
+        for f, data in files.items():
+            z.writestr(f, data)
     return fname
 
 
-def test_packed_wheels_install_into_a_private_folder(tmp_path):
-    """A packed folder (wheels stored uncompressed inside, so that xz compresses the raw files) installs
-    offline into the target, leaves torch out, and installs a second time only when the wheels change."""
-    folder = tmp_path / "w"
-    folder.mkdir()
-    records = []
-    for name, version in (("gpucheck_probe", "1.0"), ("torch", "0.0.1")):
-        f = _fake_wheel(folder, name, version, "VALUE = 42\n")
-        records.append({"file": f, "name": gpu_check.canonical(name), "version": version,
-                        "requirement": f"{gpu_check.canonical(name)}=={version}"})
-    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    (folder / gpu_check.MANIFEST).write_text(json.dumps({"python_version": here, "wheels": records}))
-    archive = gpu_check.pack_wheels(str(folder), records)
-    assert archive == str(folder) + ".tar.xz"
+PART = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """The one pack: `wheels DIR --pack --part-size 64K` with the download replaced by a fake wheel set (a
+    probe carrying 200 kB of random bytes, and a `torch` that must be left out): (DIR, the output)."""
+    folder = tmp_path_factory.mktemp("packed") / "w"
+
+    def download(dest, python_version):
+        os.makedirs(dest)
+        records = []
+        for name, version, blob in (("gpucheck_probe", "1.0", random.Random(0).randbytes(200_000)),
+                                    ("torch", "0.0.1", b"")):
+            f = _fake_wheel(dest, name, version, "VALUE = 42\n", blob)
+            records.append({"file": f, "name": gpu_check.canonical(name), "version": version,
+                            "requirement": f"{gpu_check.canonical(name)}=={version}", "needed_by": "test",
+                            "bytes": os.path.getsize(os.path.join(dest, f))})
+        with open(os.path.join(dest, gpu_check.MANIFEST), "w", encoding="utf-8") as f:
+            json.dump({"python_version": python_version, "wheels": records}, f)
+        return records
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(gpu_check, "download_wheels", download)
+        rc = gpu_check.main(["wheels", str(folder), "--pack", "--part-size", "64K"])
+    assert rc == 0, out.getvalue()
+    return folder, out.getvalue()
+
+
+def _parts(folder) -> list:
+    archive = f"{folder}.tar.xz"
+    return [f"{archive}.part{i}" for i in range(len(glob.glob(glob.escape(archive) + ".part*")))]
+
+
+def test_pack_writes_parts_and_says_which_call_carries_which(packed, tmp_path):
+    """DIR.tar.xz, and its parts of at most --part-size (as few as fit, equal but the last) that join into
+    it; the output names each call's part and what the last call runs. A pack that fits in one part leaves
+    no parts, not even an earlier pack's."""
+    folder, out = packed
+    archive, parts = f"{folder}.tar.xz", _parts(folder)
+    size = os.path.getsize(archive)
+    assert f"packed into {archive}: " in out
+    assert len(parts) == -(-size // PART) >= 3, out
+    sizes = [os.path.getsize(p) for p in parts]
+    assert max(sizes) <= PART and len(set(sizes[:-1])) == 1 and sizes[-1] <= sizes[0]
+    joined = b"".join(open(p, "rb").read() for p in parts)
+    assert joined == open(archive, "rb").read()
+    lines = out.splitlines()
+    calls = [f"  call {i + 1}: carry {p} ({n / 2 ** 20:.1f} MiB)" for i, (p, n) in
+             enumerate(zip(parts, sizes))]
+    calls[-1] += f", run: bash run.sh gpu-check --wheels {parts[0]}"
+    assert [ln for ln in lines if ln.startswith("  call ")] == calls, out
+    assert lines[-1] == f"on the GPU host: bash run.sh gpu-check --wheels {archive}"
+    copy = tmp_path / "w.tar.xz"
+    shutil.copy(archive, copy)
+    assert gpu_check.split_archive(str(copy), PART) == [f"{copy}.part{i}" for i in range(len(parts))]
+    assert gpu_check.split_archive(str(copy), size) == [] and os.listdir(tmp_path) == ["w.tar.xz"]
+
+
+def test_packed_parts_install_into_a_private_folder(packed, tmp_path):
+    """The parts, carried into a folder of their own (as on the device machine), go through `run.sh gpu-check
+    --wheels PART0`: joined and unpacked (each wheel stored uncompressed inside, so that xz compresses the
+    raw files), installed offline into the private folder, torch left out, then the check runs. A second
+    install, given the folder holding the parts, installs nothing. The whole archive unpacks to the same
+    files."""
+    folder, _ = packed
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for p in _parts(folder):
+        shutil.copy(p, carried)
     site = tmp_path / "site"
-    cmd = [sys.executable, "-m", "inference.tools.gpu_check", "install-wheels", archive, "--target",
-           str(site)]
-    proc = run(cmd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {"CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_SITE": str(site)}
+    proc = run(["bash", RUN_SH, "gpu-check", "--wheels", str(carried / "w.tar.xz.part0")], env=env)
+    assert proc.returncode == 2 and proc.stdout.endswith(CUDA_LINE), proc.stdout + proc.stderr
     assert "torch-0.0.1-py3-none-any.whl left out" in proc.stdout
     assert f"wheels: installed into {site}: gpucheck-probe 1.0" in proc.stdout
     assert "wheels: tilelang " in proc.stdout
-    unpacked = tmp_path / "wheels" / "w" / records[0]["file"]
-    with zipfile.ZipFile(unpacked) as z:
+    unpacked = tmp_path / "wheels" / "w"
+    probe = unpacked / "gpucheck_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(probe) as z:
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
-    probe = run([sys.executable, "-c", "import gpucheck_probe as p; print(p.VALUE, p.__file__)"],
-                env={"PYTHONPATH": str(site)})
-    assert probe.stdout.split()[0] == "42" and probe.stdout.split()[1].startswith(str(site)), probe.stderr
+        assert z.read("gpucheck_probe/blob.bin") == random.Random(0).randbytes(200_000)
+    code = "import gpucheck_probe as p; print(p.VALUE, p.__file__)"
+    imported = run([sys.executable, "-c", code], env={"PYTHONPATH": str(site)})
+    assert imported.stdout.split()[0] == "42" and imported.stdout.split()[1].startswith(str(site)), \
+        imported.stderr
     assert not (site / "torch").exists()
-    again = run(cmd)
-    assert again.returncode == 0 and f"wheels: {site} already holds 1 of them" in again.stdout
+    again = run([sys.executable, "-m", "inference.tools.gpu_check", "install-wheels", str(carried),
+                 "--target", str(site)])
+    assert again.returncode == 0 and f"wheels: {site} already holds 1 of them" in again.stdout, \
+        again.stdout + again.stderr
+    whole = gpu_check.archive_sources(f"{folder}.tar.xz")
+    assert whole == ("w.tar.xz", [f"{folder}.tar.xz"])
+    gpu_check._unpack(whole[1], "test", str(tmp_path / "whole"))
+    for f in (gpu_check.MANIFEST, probe.name, "torch-0.0.1-py3-none-any.whl"):
+        assert (tmp_path / "whole" / f).read_bytes() == (unpacked / f).read_bytes()
+
+
+def test_a_missing_part_is_a_one_line_error(packed, tmp_path):
+    folder, _ = packed
+    parts = _parts(folder)
+    n = len(parts)
+    env = {"CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_SITE": str(tmp_path / "site")}
+    for case, left_out in (("gap", 1), ("end", n - 1)):
+        (tmp_path / case).mkdir()
+        for i, p in enumerate(parts):
+            if i != left_out:
+                shutil.copy(p, tmp_path / case)
+        base = tmp_path / case / "w.tar.xz"
+        found = ", ".join(f"part{i}" for i in range(n) if i != left_out)
+        why = f"(found {found}; " if case == "gap" else f"(the archive goes on after w.tar.xz.part{n - 2})"
+        for given in (f"{base}.part0", str(tmp_path / case)):
+            one_error_line(run(["bash", RUN_SH, "gpu-check", "--wheels", given], env=env),
+                           f"run.sh: error: gpu-check --wheels: {base}.part{left_out} is missing {why}")
+    shutil.copy(parts[0], tmp_path / "end" / "v.tar.xz.part0")
+    one_error_line(run(["bash", RUN_SH, "gpu-check", "--wheels", str(tmp_path / "end")], env=env),
+                   f"run.sh: error: gpu-check --wheels: {tmp_path / 'end'} holds the parts of 2 archives "
+                   f"(v.tar.xz, w.tar.xz): give the first part of one")
+
+
+def test_wheels_commands_run_without_torch(tmp_path):
+    """`wheels` and `install-wheels` never import torch: the machine with network may lack it."""
+    code = ("import sys; from inference.tools import gpu_check as g; rc = g.main(sys.argv[1:]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    for args in (["wheels", str(tmp_path / "w"), "--python-version", "3.x"],
+                 ["install-wheels", str(tmp_path)]):
+        proc = run([sys.executable, "-c", code, *args])
+        assert proc.returncode == 1 and proc.stdout == "no torch\n", proc.stdout + proc.stderr
 
 
 # ---- the real wheels (downloaded from PyPI: CI has network) ----
@@ -211,6 +320,18 @@ def wheels(tmp_path_factory):
     print(proc.stdout)
     with open(folder / gpu_check.MANIFEST, encoding="utf-8") as f:
         return folder, json.load(f)
+
+
+@pytest.fixture(scope="module")
+def private_site(wheels, tmp_path_factory):
+    """The one install of the real wheels: every one of them, the host's own too (--all), into a private
+    folder, as `gpu-check --wheels` does: (the folder, the output)."""
+    folder, _ = wheels
+    site = tmp_path_factory.mktemp("private") / "site"
+    proc = run([sys.executable, "-m", "inference.tools.gpu_check", "install-wheels", str(folder), "--target",
+                str(site), "--all"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site, proc.stdout
 
 
 def test_wheels_are_tilelang_and_what_it_needs_never_torch(wheels):
@@ -228,11 +349,12 @@ def test_wheels_are_tilelang_and_what_it_needs_never_torch(wheels):
         assert not missing, f"{r['name']} needs {missing}"
 
 
-# Run in a venv that sees the system's packages, with every system distribution other than torch, numpy and
-# torch's own requirements (gpu_check.HOST_HAS) hidden: the GPU host the wheels are for.
+# Run in a fresh venv that sees the system's packages, with every system distribution other than torch, numpy
+# and torch's own requirements (gpu_check.HOST_HAS) hidden: the GPU host the wheels are for, with the private
+# folder on PYTHONPATH as `gpu-check --wheels` puts it.
 HOST_ONLY = """
 import importlib.abc, importlib.machinery, importlib.metadata as md, os, re, sys
-venv = {venv!r}
+venv, site = {venv!r}, {site!r}
 hidden = set()
 for d in md.distributions(path=[p for p in sys.path if "site-packages" in p and not p.startswith(venv)]):
     name = re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "")).lower()
@@ -243,7 +365,7 @@ for d in md.distributions(path=[p for p in sys.path if "site-packages" in p and 
         if not top.endswith((".dist-info", ".data", ".pth")) and top != "..":
             hidden.add(top.split(".")[0])
 hidden -= set(sys.stdlib_module_names)
-own = [p for p in sys.path if p.startswith(venv)]
+own = [p for p in sys.path if p.startswith((venv, site))]
 class HideSystem(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
@@ -261,35 +383,34 @@ print(tilelang.__version__, tilelang.__file__)
 """
 
 
-def test_wheels_install_offline_into_a_fresh_venv(wheels, tmp_path):
-    folder, manifest = wheels
+def test_wheels_install_offline_into_a_fresh_venv(private_site, tmp_path):
+    """With only the host's packages and the private folder visible, tilelang and the check's modules import
+    and a kernel compiles: the wheel set is complete."""
+    site, _ = private_site
     venv = tmp_path / "venv"
-    proc = run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    proc = run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)])
     assert proc.returncode == 0, proc.stderr
-    py = str(venv / "bin" / "python")
-    files = [str(folder / r["file"]) for r in manifest["wheels"]]
-    proc = run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(folder), "--no-deps",
-                "--ignore-installed", *files], drop=("PIP_CONSTRAINT",))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    code = HOST_ONLY.format(venv=str(venv), host=sorted(gpu_check.HOST_HAS))
-    proc = run([py, "-c", code])
+    code = HOST_ONLY.format(venv=str(venv), site=str(site), host=sorted(gpu_check.HOST_HAS))
+    proc = run([str(venv / "bin" / "python"), "-c", code], env={"PYTHONPATH": str(site)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     version, where = proc.stdout.split()[-2:]
-    assert version == TILELANG_PIN and where.startswith(str(venv))
+    assert version == TILELANG_PIN and where.startswith(str(site))
 
 
-def test_gpu_check_wheels_installs_into_the_private_folder(wheels, tmp_path):
-    folder, manifest = wheels
-    site = tmp_path / "site"
-    proc = run(["bash", RUN_SH, "gpu-check", "--wheels", str(folder)],
-               env={"CUDA_VISIBLE_DEVICES": "", "GPU_CHECK_SITE": str(site)})
-    assert proc.returncode == 2 and proc.stdout.endswith(CUDA_LINE), proc.stdout + proc.stderr
-    assert f"wheels: installed into {site}: " in proc.stdout and (site / ".wheels").is_file()
-    # Every wheel, the host's own too: tilelang then imports from the private folder.
-    everything = tmp_path / "all"
-    proc = run([sys.executable, "-m", "inference.tools.gpu_check", "install-wheels", str(folder), "--target",
-                str(everything), "--all"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"wheels: tilelang {TILELANG_PIN} imports from {everything}" in proc.stdout
-    assert not (everything / "torch").exists() and not (everything / "numpy").exists()
+def test_gpu_check_wheels_installs_into_the_private_folder(wheels, private_site):
+    """Every wheel installs offline into the private folder and tilelang imports from there; torch and numpy
+    are never installed, the host's own packages are untouched. Without --all the choice is what the host
+    lacks, or has at a version the requirement excludes."""
+    _, manifest = wheels
+    site, out = private_site
+    assert f"wheels: installed into {site}: " in out and (site / ".wheels").is_file()
+    assert f"wheels: tilelang {TILELANG_PIN} imports from {site}" in out
+    assert not (site / "torch").exists() and not (site / "numpy").exists()
     assert importlib.metadata.version("tilelang")       # the host's own install is untouched
+    host = gpu_check._host_versions(str(site))
+    chosen, kept = gpu_check.choose_wheels(manifest["wheels"], host)
+    chosen = {r["name"] for r in chosen}
+    for r in manifest["wheels"]:
+        spec = r["requirement"][len(r["name"]):]
+        allowed = r["name"] in host and gpu_check._satisfies(host[r["name"]], spec)
+        assert (r["name"] in chosen) != allowed and (f"{r['name']} {host.get(r['name'])}" in kept) == allowed

@@ -32,8 +32,8 @@ def test_help():
         proc = run_sh(flag)
         assert proc.returncode == 0 and "usage: bash run.sh" in proc.stdout
         assert "MP [8]" in proc.stdout and "CKPT" in proc.stdout
-        assert "gpu-check [--wheels DIR | --wheels DIR.tar.xz]" in proc.stdout
-        assert "wheels DIR [--python-version 3.N] [--pack]" in proc.stdout
+        assert "gpu-check [--wheels DIR | --wheels DIR.tar.xz | --wheels DIR.tar.xz.part0]" in proc.stdout
+        assert "wheels DIR [--python-version 3.N] [--pack [--part-size 30M]]" in proc.stdout
     proc = run_sh("bogus")
     assert proc.returncode == 2 and "usage: bash run.sh" in proc.stderr
 

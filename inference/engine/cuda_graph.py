@@ -12,11 +12,11 @@ their weights), then it is captured, reading its ids and position from static in
 allocates from one shared memory pool. A replay copies the ids and the position into those buffers and writes
 the caches in place, as the eager step does.
 
-Ties: which of several exactly tied index scores torch.topk keeps depends on the row's length, and the bucket's
-rows are longer than the eager step's, so --cuda-graph implies --deterministic-topk (ties broken by the
-lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits (tests/test_cuda_graph.py, on CPU, in the
-exact, fast and invariant orders); a replay against eager logits, bit for bit, is the device check's
-`cudagraph` phase (inference/tools/gpu_check.py). Not yet run on a GPU.
+Ties: which of several exactly tied index scores torch.topk keeps depends on the row's length, and the
+bucket's rows are longer than the eager step's, so --cuda-graph implies --deterministic-topk (ties broken by
+the lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits
+(tests/test_cuda_graph.py, on CPU, in the exact, fast and invariant orders); a replay against eager logits,
+bit for bit, is the device check's `cudagraph` phase (inference/tools/gpu_check.py). Not yet run on a GPU.
 """
 from typing import Dict, Tuple
 
