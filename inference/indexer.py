@@ -12,10 +12,17 @@ from .state import ModelContext
 
 
 def topk_indices(x: torch.Tensor, k: int, deterministic: bool, sorted: bool = True) -> torch.Tensor:
-    """Indices of the k largest values; `deterministic` keeps the lowest index among exact ties."""
-    if deterministic:
-        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
-    return x.topk(k, dim=-1, sorted=sorted).indices
+    """Indices of the k largest values; `deterministic` keeps the lowest index among exact ties and returns
+    them in the order of a stable descending sort (of a NaN-free x) without sorting the whole row."""
+    if not deterministic:
+        return x.topk(k, dim=-1, sorted=sorted).indices
+    kth = x.topk(k, dim=-1).values[..., -1:]                          # [..., 1] the k-th largest value
+    above, tied = x > kth, x == kth                     # fewer than k above it; with the ties, k or more
+    need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    take = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= need))    # exactly k per row
+    pos = take.to(torch.int8).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values   # [..., k] ascending
+    order = torch.sort(x.gather(-1, pos), dim=-1, descending=True, stable=True).indices
+    return pos.gather(-1, order)
 
 
 def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, n_blocks: int, block: int,

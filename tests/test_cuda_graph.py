@@ -18,7 +18,7 @@ from inference.engine.cuda_graph import GraphedDecode, bucket
 from inference.engine.errors import InputError
 from inference.state import DecodeStep
 
-PROMPT, LAST = 56, 100       # decode steps at 56..99: the 64-token window, buckets 64 and 128, both parities
+PROMPT, LAST = 58, 74        # decode steps at 58..73: the 64-token window, buckets 64 and 128, both parities
 
 
 @pytest.fixture(scope="module")

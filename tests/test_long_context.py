@@ -3,11 +3,13 @@ regime: a 16K-token prompt in one call and in chunks, then decoding past positio
 index-key defect is active (docs/numerics.md §14.1); and in --numerics invariant, chunks of 1, 7, 128, 129,
 1000 and 333 tokens give the bits of one call.
 
-The model: the fixture's tokenizer and layer roles (a window-only layer with Engram, a ratio-2 KV and index
-source, a ratio-1 KV, index and candidate source, a ratio-1 layer reusing them) at widths small enough for a
-CPU (the released window of 128 scaled down to 32 with the rest) and YaRN as released (factor 16, beta 32
-and 1) over an original window of 1,024 positions, so a 16K prompt runs 16 times past it. index_topk 64: the
-top-k binds from position 129 on, so the stale keys change what a decode step selects."""
+The model: the fixture's tokenizer and the released model's layer roles and ratios (a window-only layer with
+Engram, a ratio-2 KV and index source, a ratio-2 KV, index and candidate source, a ratio-2 layer reusing
+them; the ratio-1 layers of the fixture are covered by tests/test_prefill_chunks.py) at widths small enough
+for a CPU (the released window of 128 scaled down to 32 with the rest, one index head) and YaRN as released
+(factor 16, beta 32 and 1) over an original window of 1,024 positions, so a 16K prompt runs 16 times past
+it. index_topk 64: the top-k binds from position 129 on, so the stale keys change what a decode step
+selects."""
 import json
 import os
 import shutil
@@ -28,11 +30,11 @@ def tiny_yarn_config() -> dict:
     for key in ("max_batch_size", "temperature"):
         c.pop(key)
     c.update(n_layers=4, n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=[],
-             compress_ratios=[0, 2, 1, 1], kv_source_layers=[1, 2], index_source_layers=[1, 2],
+             compress_ratios=[0, 2, 2, 2], kv_source_layers=[1, 2], index_source_layers=[1, 2],
              candidate_source_layer=2, candidate_topk_blocks=16, candidate_block_size=8,
              engram_layer_ids=[0], engram_num_embeddings=[6126], dim=64, n_heads=2, head_dim=32,
              rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, moe_inter_dim=32,
-             n_routed_experts=4, n_activated_experts=2, index_n_heads=2, index_head_dim=32, window_size=32,
+             n_routed_experts=4, n_activated_experts=2, index_n_heads=1, index_head_dim=32, window_size=32,
              index_topk=64, original_seq_len=1024, rope_factor=16, beta_fast=32, beta_slow=1,
              max_seq_len=LENGTH + 60)
     return c

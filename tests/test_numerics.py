@@ -7,7 +7,7 @@ import torch
 from inference.attention import window_decode_idx, window_prefill_idx
 from inference.config import RuntimeOptions
 from inference.kernels import numerics_for
-from inference.indexer import select_candidate_blocks
+from inference.indexer import select_candidate_blocks, topk_indices
 from inference.kernels.reference import (act_quant, block_scaled_gemm, fp4_qdq_e4m3_, fp4_qdq_e8m0_,
                                         fp8_qdq_)
 from inference.quant import (ceil_pow2, dequant_fp4_weight, e2m1_round, float_to_ue8m0, ue8m0_to_float,
@@ -188,6 +188,22 @@ def test_window_index_lists():
                                                  [1, 2, 3, 4], [2, 3, 4, 5]]
     assert window_decode_idx(5, 4).tolist() == [2, 3, 0, 1]
     assert window_decode_idx(2, 4).tolist() == [-1, 0, 1, 2]
+
+
+def test_deterministic_topk_is_the_head_of_a_stable_descending_sort():
+    """topk_indices(deterministic=True) against its definition, on rows full of exact ties (±inf, ±0, values
+    rounded to bf16 and to integers) and on plain random rows, in fp32 and bf16, for every k."""
+    gen = torch.Generator().manual_seed(0)
+    levels = torch.tensor([-math.inf, -2.0, -0.0, 0.0, 0.5, 1.0, math.inf])
+    for trial in range(300):
+        shape = (int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen)))
+        x = [levels[torch.randint(0, len(levels), shape, generator=gen)],
+             torch.randn(shape, generator=gen).bfloat16().float().round(),
+             torch.randn(shape, generator=gen)][trial % 3]
+        for k in (1, int(torch.randint(1, shape[1] + 1, (1,), generator=gen)), shape[1]):
+            for y in (x, x.bfloat16()):
+                want = torch.sort(y, dim=-1, descending=True, stable=True).indices[..., :k]
+                assert torch.equal(topk_indices(y, k, deterministic=True), want), (y, k)
 
 
 def test_candidate_blocks_example():
