@@ -196,7 +196,8 @@ def test_deterministic_topk_is_the_head_of_a_stable_descending_sort():
     gen = torch.Generator().manual_seed(0)
     levels = torch.tensor([-math.inf, -2.0, -0.0, 0.0, 0.5, 1.0, math.inf])
     for trial in range(300):
-        shape = (int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 70, (1,), generator=gen)))
+        rows, cols = (int(torch.randint(1, n, (1,), generator=gen)) for n in (4, 70))
+        shape = (rows, cols)
         x = [levels[torch.randint(0, len(levels), shape, generator=gen)],
              torch.randn(shape, generator=gen).bfloat16().float().round(),
              torch.randn(shape, generator=gen)][trial % 3]
