@@ -38,6 +38,37 @@ def test_tree_sum_is_the_canonical_tree(n):
         assert got[row].item() == float(want)
 
 
+def padded_pairwise(x):
+    """The pairwise tree over the last dimension as first written: zero-padded to 2^k, neighbours added."""
+    n = x.shape[-1]
+    x = torch.nn.functional.pad(x, (0, (1 << max(0, (n - 1).bit_length())) - n))
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def bits(t):
+    return t.contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 12, 33])
+def test_pairwise_along_any_dim_and_list_dot_are_the_padded_tree(n):
+    """The tree without padding (an odd one out + 0) gives the padded tree's bits, signed zeros included,
+    along any dimension; list_dot gives list_sum's bits of the products it never forms whole."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(4, n, 6, generator=g, dtype=torch.float64) * 1e3
+    x[x.abs() < 300] = -0.0
+    x[0] = -0.0                                   # a row of -0 only: the padding makes it +0
+    want = padded_pairwise(x.movedim(1, -1))      # [4, 6]
+    assert torch.equal(bits(inv._pairwise(x, 1)), bits(want))
+    assert torch.equal(bits(inv.tree_sum(x.float(), 1)), bits(inv.tree_sum(x.float().movedim(1, -1))))
+    a = torch.randn(4, n, 1, generator=g).bfloat16().double()
+    b = torch.randn(1, n, 6, generator=g).bfloat16().double()
+    b[:, ::3] = -0.0
+    assert torch.equal(bits(inv.list_dot(a, b, 1)), bits(padded_pairwise((a * b).movedim(1, -1)) + 0.0))
+    assert torch.equal(bits(inv.list_dot(a, b, 1)), bits(inv.list_sum(a * b, 1)))
+
+
 class FakePar:
     """Stands in for W ranks: all_gather_cat returns what each rank's local subtree gives."""
 

@@ -41,16 +41,27 @@ _INV_LN2 = 1.0 / math.log(2.0)
 # Reductions
 # ---------------------------------------------------------------------------------------------------------
 
-def _pairwise(x: torch.Tensor) -> torch.Tensor:
-    """[..., n] -> [...]: neighbours (2i, 2i+1) added elementwise until one value is left (n zero-padded to
-    2^k). Neighbour pairing keeps every aligned run of 2^j leaves a subtree (what tree_sum_split needs)."""
-    n = x.shape[-1]
-    p = 1 << max(0, (n - 1).bit_length())
-    if p != n:
-        x = F.pad(x, (0, p - n))
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0]
+def _pairwise(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x [..., n, ...] -> the sum over `dim` (removed): neighbours (2i, 2i+1) added elementwise until one
+    value is left. An odd one out at the end of a level is added to +0: the tree of n zero-padded to 2^k,
+    whose all-padding subtrees sum to +0, without the padding's copy. Neighbour pairing keeps every aligned
+    run of 2^j leaves a subtree (what tree_sum_split needs). Summing along `dim` in place of the last
+    dimension keeps the inner dimensions contiguous (the same pairs, the same bits)."""
+    dim = dim % x.dim()
+    if x.shape[dim] == 0:
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+    lead = (slice(None),) * dim
+    while x.shape[dim] > 1:
+        n = x.shape[dim]
+        first, second = x[lead + (slice(0, n - 1, 2),)], x[lead + (slice(1, n, 2),)]    # n // 2 pairs
+        if n % 2 == 0:
+            x = first + second
+            continue
+        y = x.new_empty(x.shape[:dim] + (n // 2 + 1,) + x.shape[dim + 1:])
+        torch.add(first, second, out=y[lead + (slice(0, n // 2),)])
+        torch.add(x[lead + (slice(n - 1, n),)], 0.0, out=y[lead + (slice(n // 2, None),)])
+        x = y
+    return x.squeeze(dim)
 
 
 def chunk_count(n: int) -> int:
@@ -59,17 +70,18 @@ def chunk_count(n: int) -> int:
     return math.gcd(n, CHUNKS)
 
 
-def chunk_sums(x: torch.Tensor, chunks: int) -> torch.Tensor:
-    """[..., n] -> [..., chunks]: each of `chunks` equal contiguous chunks summed by a pairwise tree."""
-    return _pairwise(x.unflatten(-1, (chunks, x.shape[-1] // chunks)))
+def chunk_sums(x: torch.Tensor, chunks: int, dim: int = -1) -> torch.Tensor:
+    """[..., n, ...] -> [..., chunks, ...]: each of `chunks` equal contiguous chunks of `dim` summed by a
+    pairwise tree."""
+    dim = dim % x.dim()
+    return _pairwise(x.unflatten(dim, (chunks, x.shape[dim] // chunks)), dim + 1)
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
     """Sum along `dim` in the canonical order (see the module docstring); x's dtype."""
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
+    n = x.shape[dim]
     # up to 8 values (a power of two): gcd(n, 8) = n chunks of one, so the tree is the pairwise one
-    y = _pairwise(x) if n in (1, 2, 4, 8) else _pairwise(chunk_sums(x, chunk_count(n)))
+    y = _pairwise(x, dim) if n in (1, 2, 4, 8) else _pairwise(chunk_sums(x, chunk_count(n), dim), dim)
     return y.unsqueeze(dim) if keepdim else y
 
 
@@ -241,8 +253,8 @@ def linear(x: torch.Tensor, w: Optional[torch.Tensor], out_dtype: Optional[torch
             step = _budget_rows(wc.shape[-1] * nb * LINEAR_BLOCK * 8)
             for r0 in range(0, rows_slow.numel(), step):
                 rows = rows_slow[r0:r0 + step]
-                prod = xd[rows].unsqueeze(-1) * wc                                # [r, nb, 32, c] exact
-                parts = _pairwise(prod.movedim(2, -1)) + 0.0                      # [r, nb, c]
+                # each block's exact products [r, nb, 32, c] by its pairwise tree, + 0 -> [r, nb, c]
+                parts = list_dot(xd[rows].unsqueeze(-1), wc.unsqueeze(0), dim=2)
                 out[rows.unsqueeze(1), torch.arange(c0, c0 + wc.shape[-1], device=x.device)] = \
                     tree_sum(parts, dim=1).float()
     return out.to(out_dtype or x.dtype).view(*lead, n)
@@ -302,7 +314,29 @@ def canonical_lists(idx: torch.Tensor) -> torch.Tensor:
 def list_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over a canonical list: one pairwise tree (no chunking, so trailing padding does not change it),
     and +0 so that a -0 result does not depend on the padding either."""
-    return _pairwise(x.movedim(dim, -1)) + 0.0
+    return _pairwise(x, dim) + 0.0
+
+
+def list_dot(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """list_sum(a * b, dim) for operands of the same rank (broadcast) whose products are exact, without the
+    tensor of all products: the tree's first level is formed as a[2i] b[2i] + a[2i+1] b[2i+1] (one rounding,
+    as the tree's addition of two exact products), an odd last product + 0, as the padding gives."""
+    d = dim % a.dim()
+    n = a.shape[d]
+    half, odd = n // 2, n % 2
+
+    def take(t, k):                             # t's entries 2i + k along d, i < half
+        return t.narrow(d, 0, 2 * half).unflatten(d, (half, 2)).select(d + 1, k)
+
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    y = torch.empty(shape[:d] + (half + odd,) + shape[d + 1:], dtype=torch.promote_types(a.dtype, b.dtype),
+                    device=a.device)
+    first = y.narrow(d, 0, half)
+    torch.mul(take(a, 0), take(b, 0), out=first)
+    first.addcmul_(take(a, 1), take(b, 1))
+    if odd:
+        torch.mul(a.narrow(d, n - 1, 1), b.narrow(d, n - 1, 1), out=y.narrow(d, half, 1)).add_(0.0)
+    return list_sum(y, d)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
@@ -310,7 +344,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     """Sparse attention with a sink over canonical index lists (see canonical_lists), in one pass: the
     scores q . k by `linear` against every KV row (then gathered), the max over the whole list, p = exp(s -
     max) rounded to bf16 before P.V (relative to the list's max, not to a running max: a running max
-    depends on where chunk boundaries fall), the denominator and P.V by list_sum.
+    depends on where chunk boundaries fall), the denominator by list_sum and P.V by list_dot.
     q [B, M, H, D], kv [B, N, D], sink [H], idx [B, M, T] -> [B, M, H, D]."""
     b, m, h, d = q.shape
     out = torch.empty_like(q)
@@ -328,8 +362,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         p = exp(s - mx.unsqueeze(-1))                                     # 0 where masked
         den = list_sum(p) + exp(sink.float().view(1, 1, h) - mx)
         rows = kv[batch, ic.clamp_min(0)]                                 # [B, Mb, T, D]
-        prod = p.to(kv.dtype).double().unsqueeze(-1) * rows.double().unsqueeze(2)   # [B, Mb, H, T, D] exact
-        pv = list_sum(prod, dim=-2)                                       # [B, Mb, H, D] fp64
+        # P.V: the products [B, Mb, H, T, D] are exact in fp64, never formed all at once
+        pv = list_dot(p.to(kv.dtype).double().unsqueeze(-1), rows.double().unsqueeze(2), dim=-2)
+        # pv: [B, Mb, H, D] fp64
         out[:, m0:m0 + q_block] = (pv.float() / den.unsqueeze(-1)).to(q.dtype)
     return out
 
