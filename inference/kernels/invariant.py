@@ -325,8 +325,8 @@ def list_dot(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
     n = a.shape[d]
     half, odd = n // 2, n % 2
 
-    def take(t, k):                             # t's entries 2i + k along d, i < half
-        return t.narrow(d, 0, 2 * half).unflatten(d, (half, 2)).select(d + 1, k)
+    def take(t, k):                             # t's entries 2i + k along d, i < half (as in _pairwise)
+        return t[(slice(None),) * d + (slice(k, 2 * half, 2),)]
 
     shape = torch.broadcast_shapes(a.shape, b.shape)
     y = torch.empty(shape[:d] + (half + odd,) + shape[d + 1:], dtype=torch.promote_types(a.dtype, b.dtype),
