@@ -27,9 +27,8 @@ def e2m1_values(device=None, dtype=torch.float32) -> torch.Tensor:
 def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= y for positive normal fp32 y, from the bits (never a rounding cast)."""
     bits = y.float().contiguous().view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exp << 23).view(torch.float32)
+    # a non-zero mantissa carries into the exponent; the mask keeps the exponent alone
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:

@@ -81,9 +81,10 @@ def block_scaled_gemm(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, max
     rows = max(1, max_bytes // max(1, kb * n * 4))
     for r0 in range(0, m, rows):
         parts = torch.bmm(a[:, r0:r0 + rows], wb)                   # [K/b, rows, N]
-        acc = parts[0].clone()
-        for i in range(1, kb):
-            acc += parts[i]
+        first, *rest = parts.unbind(0)
+        acc = first.clone()
+        for part in rest:
+            acc += part
         out[r0:r0 + rows] = acc
     return out.to(torch.bfloat16).view(*lead, n)
 
@@ -105,13 +106,25 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return out
 
 
-def _dot_in_order(qf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Scores q.k [B, M, H, C]: the exact bf16 products summed in fp32 one at a time, in d order. That order
-    reproduces the reference's near-tie bf16 roundings of p; a blocked GEMM (einsum) flips some of them
-    (layer-isolated block_pre_mix max diff 4.3e-4 instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0)."""
-    s = torch.zeros(*qf.shape[:-1], rows.shape[-2], dtype=torch.float32, device=qf.device)
-    for k in range(qf.shape[-1]):
-        s += qf[..., k:k + 1] * rows[..., k].unsqueeze(-2)
+def _columns(x: torch.Tensor, dim: int) -> tuple:
+    """fp32 columns of x along its last dim, each contiguous: D x x.shape[:-1] with a 1 inserted at `dim`."""
+    return x.movedim(-1, 0).to(torch.float32, memory_format=torch.contiguous_format).unsqueeze(dim).unbind(0)
+
+
+def _dot_in_order(q_cols: tuple, rows: torch.Tensor, exact_products: bool) -> torch.Tensor:
+    """Scores q.k [B, M, H, C] from q's columns (D x [B, M, H, 1]) and rows [B, M, C, D]: the exact bf16
+    products summed in fp32 one at a time, in d order. That order reproduces the reference's near-tie bf16
+    roundings of p; a blocked GEMM (einsum) flips some of them (layer-isolated block_pre_mix max diff 4.3e-4
+    instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0)."""
+    s = torch.zeros(*q_cols[0].shape[:-1], rows.shape[-2], dtype=torch.float32, device=rows.device)
+    k_cols = _columns(rows, -2)                                     # D x [B, M, 1, C]
+    if exact_products:
+        # bf16 x bf16 is exact in fp32, so a fused multiply-add rounds once where s += q k rounds once too
+        for qk, kk in zip(q_cols, k_cols):
+            s.addcmul_(qk, kk)
+    else:
+        for qk, kk in zip(q_cols, k_cols):
+            s += qk * kk
     return s
 
 
@@ -121,19 +134,20 @@ def _attend(q, kv, sink, idx, scale):
     mx = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
     den = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
     acc = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
-    qf = q.float()
+    q_cols = _columns(q, -1)                                        # D x [B, M, H, 1]
+    exact = q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     for c0 in range(0, t, CHUNK):
         ic = idx[:, :, c0:c0 + CHUNK].long()                        # [B, M, C]
         valid = ic >= 0
-        rows = kv[batch, ic.clamp_min(0)].float()                   # [B, M, C, D]
-        s = _dot_in_order(qf, rows) * scale                         # [B, M, H, C] fp32
+        gathered = kv[batch, ic.clamp_min(0)]                       # [B, M, C, D]
+        s = _dot_in_order(q_cols, gathered, exact) * scale          # [B, M, H, C] fp32
         s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
         new_mx = torch.maximum(mx, s.amax(-1))
         alpha = torch.exp(mx - new_mx)
         p = torch.exp(s - new_mx.unsqueeze(-1))
         den = den * alpha + p.sum(-1)
-        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), rows)      # the kernel's P cast
+        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), gathered.float())   # the kernel's P cast
         acc = acc * alpha.unsqueeze(-1) + pv
         mx = new_mx
     den = den + torch.exp(sink.float().view(1, 1, h) - mx)
