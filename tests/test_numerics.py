@@ -45,6 +45,15 @@ def test_act_quant_edges():
 def test_ceil_pow2_and_ue8m0():
     y = torch.tensor([1.0, 1.5, 1.45, 0.75, 2.0 ** -20 * 1.01])
     assert ceil_pow2(y).tolist() == [1.0, 2.0, 2.0, 1.0, 2.0 ** -19]
+    # against frexp (y = m 2^e, m in [0.5, 1): 2^(e-1) when m = 1/2, else 2^e) over every normal exponent,
+    # both signs; a subnormal gives the smallest normal, 2^-126
+    y = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-37, 38, 4096)
+    pow2 = torch.ldexp(torch.ones(254), torch.arange(-126, 128))
+    y = torch.cat([y, -y, pow2, torch.nextafter(pow2, pow2 * 2), torch.nextafter(pow2, pow2 / 2)])  # 1 ulp off
+    normal = y.abs() >= 2.0 ** -126
+    m, e = torch.frexp(y[normal].abs())
+    assert torch.equal(ceil_pow2(y[normal]), torch.ldexp(torch.ones_like(m), e - (m == 0.5).int()))
+    assert (~normal).sum() > 0 and (ceil_pow2(y[~normal]) == 2.0 ** -126).all()
     # a plain cast rounds to nearest (1.45 -> 1): the pitfall the bit rule avoids
     assert torch.tensor([1.45]).to(torch.float8_e8m0fnu).float().item() == 1.0
     assert ue8m0_to_float(torch.tensor([0, 127, 130], dtype=torch.uint8)).tolist() == [2.0 ** -127, 1.0, 8.0]

@@ -119,7 +119,7 @@ def _dot_in_order(q_cols: tuple, rows: torch.Tensor, exact_products: bool) -> to
     s = torch.zeros(*q_cols[0].shape[:-1], rows.shape[-2], dtype=torch.float32, device=rows.device)
     k_cols = _columns(rows, -2)                                     # D x [B, M, 1, C]
     if exact_products:
-        # bf16 x bf16 is exact in fp32, so a fused multiply-add rounds once where s += q k rounds once too
+        # bf16 x bf16 is exact in fp32 (above 2^-133), so a fused multiply-add rounds where s += q k does
         for qk, kk in zip(q_cols, k_cols):
             s.addcmul_(qk, kk)
     else:
