@@ -49,7 +49,8 @@ def test_ceil_pow2_and_ue8m0():
     # both signs; a subnormal gives the smallest normal, 2^-126
     y = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-37, 38, 4096)
     pow2 = torch.ldexp(torch.ones(254), torch.arange(-126, 128))
-    y = torch.cat([y, -y, pow2, torch.nextafter(pow2, pow2 * 2), torch.nextafter(pow2, pow2 / 2)])  # 1 ulp off
+    ulp_off = [torch.nextafter(pow2, pow2 * 2), torch.nextafter(pow2, pow2 / 2)]
+    y = torch.cat([y, -y, pow2, *ulp_off])
     normal = y.abs() >= 2.0 ** -126
     m, e = torch.frexp(y[normal].abs())
     assert torch.equal(ceil_pow2(y[normal]), torch.ldexp(torch.ones_like(m), e - (m == 0.5).int()))
