@@ -41,8 +41,8 @@ def logits_of(model, seqs, prefill_len):
 def test_a_row_alone_and_inside_a_batch_of_three(model, seq):
     g = torch.Generator().manual_seed(0)
     others = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in (LEN - 13, LEN + 9)]
-    alone = logits_of(model, [seq], 40)[:, 0]
-    batch = logits_of(model, [others[0], seq, others[1]], 40)[:, 1]
+    alone = logits_of(model, [seq], 60)[:, 0]                        # decoding across the 64-token window
+    batch = logits_of(model, [others[0], seq, others[1]], 60)[:, 1]
     assert torch.equal(alone, batch[:alone.shape[0]])
 
 

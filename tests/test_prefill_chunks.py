@@ -1,6 +1,6 @@
 """`generate.py --prefill-chunk` (inference/engine/prefill.py): a prompt prefilled in chunks against one call,
-on the fixture's weights at W = 1 and W = 2: within the end-to-end floor in the default order (the same
-floor as the fixture's conformance tests), the same bits in --numerics invariant; chunk boundaries that
+on the fixture's weights: at W = 2 within the end-to-end floor in the default order (the same floor as the
+fixture's conformance tests), at W = 2 the bits of one call at W = 1 in --numerics invariant; chunk boundaries that
 never cut an image span; the speculative loop, block capture and all-prefill logits with chunks; one-line
 errors for chunk sizes that cannot work."""
 import json
@@ -54,19 +54,19 @@ def score(setup, name, world, numerics, chunk=None):
     return load_file(str(out))["logits"]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_chunks_of_512_within_the_floor_in_the_default_order(setup, world):
-    one = score(setup, f"exact_one_w{world}", world, "reference")
-    chunked = score(setup, f"exact_512_w{world}", world, "reference", 512)
+# Each CLI run prefills 557 tokens; a W = 1 chunked run adds nothing that these two tests and the in-process
+# chunk tests (tests/test_invariant_model.py, tests/test_long_context.py) do not already prove.
+
+def test_chunks_of_512_within_the_floor_in_the_default_order(setup):
+    one = score(setup, "exact_one_w2", 2, "reference")
+    chunked = score(setup, "exact_512_w2", 2, "reference", 512)
     d = (chunked - one).abs()
-    print(f"W = {world}, default order, chunks of 512 vs one call: max |d| {d.max():.3g}, "
-          f"mean {d.mean():.3g}")
+    print(f"W = 2, default order, chunks of 512 vs one call: max |d| {d.max():.3g}, mean {d.mean():.3g}")
     assert d.max() <= 0.25 and d.mean() <= 0.03
 
 
 def test_chunks_of_512_give_the_bits_of_one_call_in_invariant_numerics(setup):
     one = score(setup, "inv_one_w1", 1, "invariant")
-    assert torch.equal(score(setup, "inv_512_w1", 1, "invariant", 512), one)
     assert torch.equal(score(setup, "inv_512_w2", 2, "invariant", 512), one)     # chunks and W = 2 at once
 
 

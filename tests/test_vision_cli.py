@@ -107,9 +107,9 @@ def test_batch_two_images(demo, mp):
 # Interactive mode
 # ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mp", [1, 2])
-def test_interactive_two_images_then_text(demo, mp):
-    root = demo["root"]
+def test_interactive_two_images_then_text(demo):
+    """At MP 2 (rank 0 reads, both ranks run the turn; MP 1 is the same loop without the broadcast)."""
+    root, mp = demo["root"], 2
     missing = root / "missing.png"
     out = root / f"chat_mp{mp}.jsonl"
     stdin = f"Look at <image>{missing}</image>\n{TAGGED}\nAnd now?\n/exit\n"
