@@ -1,8 +1,8 @@
 """`generate.py --prefill-chunk` (inference/engine/prefill.py): a prompt prefilled in chunks against one call,
 on the fixture's weights: at W = 2 within the end-to-end floor in the default order (the same floor as the
-fixture's conformance tests), at W = 2 the bits of one call at W = 1 in --numerics invariant; chunk boundaries that
-never cut an image span; the speculative loop, block capture and all-prefill logits with chunks; one-line
-errors for chunk sizes that cannot work."""
+fixture's conformance tests), at W = 2 the bits of one call at W = 1 in --numerics invariant; chunk
+boundaries that never cut an image span; the speculative loop, block capture and all-prefill logits with
+chunks; one-line errors for chunk sizes that cannot work."""
 import json
 import os
 import shutil
