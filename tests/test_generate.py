@@ -1,10 +1,13 @@
-"""generate.py (docs/cli.md §2): the generate loop, completion parsing, and the CLI end to end in
-subprocesses (batch files, JSONL output, interactive sessions under 2 ranks, early errors, scoring mode)."""
+"""generate.py (docs/cli.md §2): the generate loop, completion parsing, and the CLI end to end (batch files,
+JSONL output, interactive sessions under 2 ranks, early errors, scoring mode): MP 2 under torchrun, MP 1 as
+generate.main in the test's process (run_in_process; one run in a process of its own)."""
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -102,7 +105,7 @@ def test_parse_completion_reappends_eos_and_falls_back_to_raw_text():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Subprocess tests on a tiny converted checkpoint (one per session)
+# The CLI on a tiny converted checkpoint (one per session)
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
@@ -137,7 +140,11 @@ def tiny(tmp_path_factory):
             "vocab": config["vocab_size"]}
 
 
-def run_cli(args, nproc=1, stdin=None, timeout=TIMEOUT):
+def run_cli(args, nproc=1, stdin=None, timeout=TIMEOUT, own_process=False):
+    """generate.py with `args`: at MP 1 in this process (generate.main, see run_in_process) unless
+    `own_process`; at MP 2 and above under torchrun."""
+    if nproc == 1 and not own_process:
+        return run_in_process(args, stdin)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if nproc == 1:   # one thread: several threads on a busy 2-core machine are many times slower
         cmd = [sys.executable, GENERATE, *([] if "--threads" in args else ["--threads", "1"]), *args]
@@ -146,6 +153,30 @@ def run_cli(args, nproc=1, stdin=None, timeout=TIMEOUT):
                GENERATE, *args]
     return subprocess.run(cmd, input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def run_in_process(args, stdin=None):
+    """What `python generate.py --threads 1 ARGS` prints and returns, run as generate.main(ARGS) here: a new
+    interpreter's imports (2-3 s a run) spared. Standard streams are swapped for the call; an exception
+    main() lets out is printed as the interpreter would (a traceback, exit status 1); the torch thread count
+    and RNG state the call sets are put back."""
+    import generate
+    out, err = io.StringIO(), io.StringIO()
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    streams = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), out, err
+    try:
+        code = generate.main([*([] if "--threads" in args else ["--threads", "1"]), *args])
+    except SystemExit as e:                      # argparse's own errors
+        code = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = streams
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def base_args(tiny, mp=1):
@@ -319,7 +350,7 @@ def test_setup_errors(tiny, case):
         args = base_args(tiny) + ["--score", str(root / "bad_score.json"),
                                   "--dump-logits", str(root / "x.safetensors")]
         message = "prefill_len must be an int in 1..3"
-    proc = run_cli(args)
+    proc = run_cli(args, own_process=case == "no-mode")   # one in a process of its own: generate.py's exit
     assert_clean_error(proc, message)
     assert "Traceback" not in proc.stderr
     assert "build model" not in proc.stdout
