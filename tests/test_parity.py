@@ -276,16 +276,9 @@ def test_golden_numerics_end_to_end(runs):
 # ---------------------------------------------------------------------------------------------------------
 
 def run_generate(args, nproc):
-    """generate.py --threads 1: at MP 1 in this process (test_generate.run_in_process), else torchrun."""
-    from test_generate import run_in_process
-    if nproc == 1:
-        proc = run_in_process(args)
-    else:
-        gen = [os.path.join(ROOT, "generate.py"), "--threads", "1", *args]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               *gen]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL)
+    """generate.py --threads 1 through test_generate.run_cli (MP 1 in this process, else under torchrun)."""
+    from test_generate import run_cli
+    proc = run_cli(["--threads", "1", *args], nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -5,8 +5,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, fixture_file
 
 import generate
-from test_generate import run_in_process
+import test_generate
 from inference.engine import generation
 from inference.tools.parity import Tolerances
 import inference.engine.speculative as speculative
@@ -491,14 +489,8 @@ def test_mp2_same_decisions_on_every_rank_and_exactness(ckpt, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 def run_cli(args, nproc=1):
-    """generate.py: at MP 1 in this process (test_generate.run_in_process), at MP 2 under torchrun."""
-    if nproc == 1:
-        return run_in_process(args)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "generate.py"), *args]
-    return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLI_TIMEOUT,
-                          cwd=ROOT, env=env)
+    """generate.py through test_generate.run_cli (MP 1 in this process, MP 2 under torchrun)."""
+    return test_generate.run_cli(args, nproc=nproc, timeout=CLI_TIMEOUT)
 
 
 def test_cli_speculative_two_ranks(ckpt):

@@ -112,10 +112,10 @@ def _columns(x: torch.Tensor, dim: int) -> tuple:
 
 
 def _dot_in_order(q_cols: tuple, rows: torch.Tensor, exact_products: bool) -> torch.Tensor:
-    """Scores q.k [B, M, H, C] from q's columns (D x [B, M, H, 1]) and rows [B, M, C, D]: the exact bf16
-    products summed in fp32 one at a time, in d order. That order reproduces the reference's near-tie bf16
-    roundings of p; a blocked GEMM (einsum) flips some of them (layer-isolated block_pre_mix max diff 4.3e-4
-    instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0)."""
+    """Scores q.k [B, M, H, C] from q's fp32 columns (D x [B, M, H, 1]) and fp32 rows [B, M, C, D]: the exact
+    bf16 products summed in fp32 one at a time, in d order. That order reproduces the reference's near-tie
+    bf16 roundings of p; a blocked GEMM (einsum) flips some of them (layer-isolated block_pre_mix max diff
+    4.3e-4 instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0)."""
     s = torch.zeros(*q_cols[0].shape[:-1], rows.shape[-2], dtype=torch.float32, device=rows.device)
     k_cols = _columns(rows, -2)                                     # D x [B, M, 1, C]
     if exact_products:
@@ -140,14 +140,14 @@ def _attend(q, kv, sink, idx, scale):
     for c0 in range(0, t, CHUNK):
         ic = idx[:, :, c0:c0 + CHUNK].long()                        # [B, M, C]
         valid = ic >= 0
-        gathered = kv[batch, ic.clamp_min(0)]                       # [B, M, C, D]
-        s = _dot_in_order(q_cols, gathered, exact) * scale          # [B, M, H, C] fp32
+        rows = kv[batch, ic.clamp_min(0)].float()                   # [B, M, C, D]
+        s = _dot_in_order(q_cols, rows, exact) * scale              # [B, M, H, C] fp32
         s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
         new_mx = torch.maximum(mx, s.amax(-1))
         alpha = torch.exp(mx - new_mx)
         p = torch.exp(s - new_mx.unsqueeze(-1))
         den = den * alpha + p.sum(-1)
-        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), gathered.float())   # the kernel's P cast
+        pv = torch.einsum("bmhc,bmcd->bmhd", p.to(kv.dtype).float(), rows)      # the kernel's P cast
         acc = acc * alpha.unsqueeze(-1) + pv
         mx = new_mx
     den = den + torch.exp(sink.float().view(1, 1, h) - mx)
