@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FIXTURE, ROOT, fixture_file
+import ranks
 
 from inference.engine import generation, prompts
 from inference.engine.errors import InputError
@@ -140,11 +141,14 @@ def tiny(tmp_path_factory):
             "vocab": config["vocab_size"]}
 
 
-def run_cli(args, nproc=1, stdin=None, timeout=TIMEOUT, own_process=False):
+def run_cli(args, nproc=1, stdin=None, timeout=TIMEOUT, own_process=False, torchrun=False):
     """generate.py with `args`: at MP 1 in this process (generate.main, see run_in_process) unless
-    `own_process`; at MP 2 and above under torchrun."""
+    `own_process`; at MP 2 and above as ranks forked with torchrun's environment (tests/ranks.py), or under
+    torchrun itself with `torchrun`."""
     if nproc == 1 and not own_process:
         return run_in_process(args, stdin)
+    if nproc > 1 and not torchrun:
+        return ranks.run_generate(args, nproc, stdin=stdin, timeout=timeout)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if nproc == 1:   # one thread: several threads on a busy 2-core machine are many times slower
         cmd = [sys.executable, GENERATE, *([] if "--threads" in args else ["--threads", "1"]), *args]
@@ -269,7 +273,8 @@ def test_interactive_two_ranks_with_clear_and_exit(tiny):
     out = tiny["root"] / "chat.jsonl"
     proc = run_cli(base_args(tiny, mp=2) + ["--interactive", "--max-new-tokens", "4", "--max-seq-len", "512",
                                             "--output", str(out)],
-                   nproc=2, stdin="Hello\nAnd then?\n/clear\nNew topic\n/exit\nnever read\n")
+                   nproc=2, stdin="Hello\nAnd then?\n/clear\nNew topic\n/exit\nnever read\n",
+                   torchrun=True)                   # stdin through torchrun to rank 0, as a user types it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(">>> ") == 5
     records = read_jsonl(out)
@@ -308,7 +313,8 @@ def test_missing_shard(tiny):
             target.symlink_to(os.path.join(tiny["mp"][2], name))
     args = ["--ckpt-path", str(partial), "--config", tiny["config"], "--input-file",
             os.path.join(ROOT, "demo", "prompts.txt")]
-    assert_clean_error(run_cli(args, nproc=2), f"missing shard {partial}/model1-mp2.safetensors")
+    proc = run_cli(args, nproc=2, torchrun=True)        # the launcher users run, its exit path included
+    assert_clean_error(proc, f"missing shard {partial}/model1-mp2.safetensors")
 
 
 def test_prompt_longer_than_max_seq_len_stops_every_rank(tiny):

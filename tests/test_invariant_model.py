@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from conftest import FIXTURE, FIXTURES, fixture_file, fixture_model, free_port
+import ranks
 from inference.config import RuntimeOptions
 from inference.engine.scoring import score
 
@@ -102,8 +102,7 @@ def test_two_ranks_give_the_w1_bits(model, seq, tmp_path):
     full = load_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     for rank in range(2):
         save_file(reshard(full, 2, rank), str(ckpt / f"model{rank}-mp2.safetensors"))
-    mp.start_processes(_worker, args=(free_port(), str(ckpt), seq[:60], str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    ranks.spawn(_worker, (free_port(), str(ckpt), seq[:60], str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
     assert torch.equal(r0, r1)
     assert torch.equal(r0, logits_of(model, [seq[:60]], 40))

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, fixture_file
+import ranks
 
 import generate
 import test_generate
@@ -476,7 +476,7 @@ def _worker(rank, port, ckpt, out_dir):
 
 def test_mp2_same_decisions_on_every_rank_and_exactness(ckpt, tmp_path):
     args = {k: ckpt[k] for k in ("config", "dirs", "prompt", "batch")}
-    mp.start_processes(_worker, args=(free_port(), args, str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks.spawn(_worker, (free_port(), args, str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
     assert r0 == r1                                # tokens, decisions and statistics, greedy and sampled
     assert [len(t) for t in r0["plain2"]] == [NEW + 6, NEW]

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import FIXTURE, ROOT, free_port, fixture_file
+import ranks
 
 WORLD = 2
 
@@ -85,8 +85,7 @@ def test_tp2_matches_reference(tmp_path):
     for rank in range(WORLD):
         save_file(reshard(full, WORLD, rank), str(tmp_path / f"model{rank}-mp{WORLD}.safetensors"))
     result = str(tmp_path / "result.pt")
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path), result), nprocs=WORLD,
-                       start_method="spawn")
+    ranks.spawn(_worker, (free_port(), str(tmp_path), result), WORLD)
     got = torch.load(result)
     ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
     d = (got["logits"] - ref["step_logits"]).abs()

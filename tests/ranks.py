@@ -1,0 +1,91 @@
+"""Multi-process runs for the tests, forked from a warm server instead of started afresh.
+
+A new interpreter spends about 2 s of CPU importing torch before it runs a line; torchrun costs one more
+interpreter on top of its ranks. The tests start dozens of ranks, so they fork them from Python's forkserver,
+which imports torch and generate.py once per pytest worker and never runs a kernel itself (forking a process
+whose OpenMP pool is running can hang the child). What a rank runs is what it runs under torchrun: torchrun's
+environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), generate.main(ARGS), its exit status. The torchrun launcher
+itself stays covered where it matters: test_generate's interactive and missing-shard tests run under it.
+"""
+import functools
+import io
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+from conftest import ROOT, free_port
+
+
+@functools.lru_cache(maxsize=None)
+def context():
+    """The forkserver context, its server preloading torch and generate.py (set before it first starts)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "generate"])
+    return ctx
+
+
+def _rank(rank: int, world: int, port: int, args: list, stdin: str, out: str, err: str):
+    """One rank of `torchrun --nproc-per-node WORLD generate.py ARGS`, its output in files `out` and `err`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import generate
+    torch.set_num_threads(1)                    # what torchrun's OMP_NUM_THREADS=1 gives a fresh process
+    os.chdir(ROOT)
+    with open(out, "w", encoding="utf-8") as fo, open(err, "w", encoding="utf-8") as fe:
+        os.dup2(fo.fileno(), 1)                 # native writes (gloo, torch warnings) land there too
+        os.dup2(fe.fileno(), 2)
+        sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), fo, fe
+        try:
+            code = generate.main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        fo.flush()
+        fe.flush()
+    os._exit(code)
+
+
+def run_generate(args, nproc: int, stdin=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC generate.py ARGS` for a test: the ranks' outputs
+    concatenated in rank order, exit status 1 if a rank failed. Like torchrun, the first rank to fail stops
+    the others; past `timeout` every rank is killed and subprocess.TimeoutExpired raised."""
+    ctx, port = context(), free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [(os.path.join(tmp, f"out{r}"), os.path.join(tmp, f"err{r}")) for r in range(nproc)]
+        procs = [ctx.Process(target=_rank, args=(r, nproc, port, list(args), stdin, *files[r]))
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in procs):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(["generate.py", *args], timeout)
+                wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
+                if any(p.exitcode for p in procs):
+                    break
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        out, err = ("".join(open(f[i], encoding="utf-8").read() for f in files) for i in (0, 1))
+    code = 1 if any(p.exitcode for p in procs) else 0
+    return subprocess.CompletedProcess(["generate.py", *args], code, out, err)
+
+
+def spawn(fn, args: tuple, nprocs: int = 2):
+    """torch.multiprocessing.spawn(fn, args, nprocs) with the ranks forked from the warm server."""
+    import torch.multiprocessing as mp
+    context()
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
