@@ -110,6 +110,23 @@ def test_exact_route_is_the_reference_kernels():
                        reference.index_scores(q, keys, w))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_scores_are_the_same_sums_both_ways(dtype):
+    """The exact attention's q.k: all products at once added by index_add_ (small, decode-step score sets)
+    and the column loop (larger ones) give the same bits, on values spread over 2^+-20 so that any other
+    summation order (here a GEMM's) rounds differently."""
+    gen = torch.Generator().manual_seed(3)
+    spread = lambda *shape: (torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(-20, 21, shape,
+                                                                                     generator=gen)).to(dtype)
+    for b, m, h, c, d in ((1, 1, 4, 64, 128), (2, 1, 8, 64, 512), (1, 3, 2, 37, 32)):
+        q, rows = spread(b, m, h, d), spread(b, m, c, d).float()
+        q_cols = reference._columns(q, -1)
+        at_once = reference._dot_in_order(q_cols, rows, dtype == torch.bfloat16, max_sums=1 << 30)
+        by_column = reference._dot_in_order(q_cols, rows, dtype == torch.bfloat16, max_sums=0)
+        assert torch.equal(at_once.view(torch.int32), by_column.view(torch.int32)), (b, m, h, c, d)
+        assert not torch.equal(at_once, torch.einsum("bmhd,bmcd->bmhc", q.float(), rows))
+
 def test_quantizers_and_sinkhorn_are_shared_by_both_torch_routes():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 7, 128, generator=gen).bfloat16() * 3

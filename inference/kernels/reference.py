@@ -107,28 +107,34 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 
 
 def _columns(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x's fp32 columns along its last dim, stacked first: [D, *x.shape[:-1]] with a 1 inserted at `dim`."""
-    return x.movedim(-1, 0).to(torch.float32).unsqueeze(dim)
+    """x's fp32 columns along its last dim, stacked first and each contiguous: [D, *x.shape[:-1]] with a 1
+    inserted at `dim`."""
+    return x.movedim(-1, 0).to(torch.float32, memory_format=torch.contiguous_format).unsqueeze(dim)
 
 
-def _dot_in_order(q_cols: torch.Tensor, rows: torch.Tensor, max_elems: int = 1 << 20) -> torch.Tensor:
+def _dot_in_order(q_cols: torch.Tensor, rows: torch.Tensor, exact_products: bool,
+                  max_sums: int = 1024) -> torch.Tensor:
     """Scores q.k [B, M, H, C] from q's fp32 columns [D, B, M, H, 1] and fp32 rows [B, M, C, D]: the products
-    (exact for bf16 x bf16 in fp32) summed in fp32 one at a time, in d order. That order reproduces the
-    reference's near-tie bf16 roundings of p; a blocked GEMM (einsum) flips some of them (layer-isolated
-    block_pre_mix max diff 4.3e-4 instead of 1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0).
+    summed in fp32 one at a time, in d order. That order reproduces the reference's near-tie bf16 roundings of
+    p; a blocked GEMM (einsum) flips some of them (layer-isolated block_pre_mix max diff 4.3e-4 instead of
+    1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0).
 
-    Two ways to the same sums: up to `max_elems` products (decode steps), all of them formed at once and
-    added by index_add_, which adds its source slices one at a time in index order (D ops fewer); beyond,
-    one column at a time (the products would not fit in cache)."""
+    Two ways to the same sums: up to `max_sums` scores (a decode step's), all products formed at once and
+    added by index_add_, which adds its source slices one at a time in index order (D - 1 ops fewer: 2 to 10x
+    faster there); beyond, one column at a time (index_add_ over larger slices is the slower one)."""
     k_cols = _columns(rows, -2)                                     # [D, B, M, 1, C]
-    shape = (*q_cols.shape[1:-1], rows.shape[-2])
-    s = torch.zeros(1, *shape, dtype=torch.float32, device=rows.device)
-    if q_cols.shape[0] * s.numel() <= max_elems:
+    s = torch.zeros(*q_cols.shape[1:-1], rows.shape[-2], dtype=torch.float32, device=rows.device)
+    if s.numel() <= max_sums:
         products = q_cols * k_cols                                  # [D, B, M, H, C]
-        return s.index_add_(0, torch.zeros(len(products), dtype=torch.long, device=rows.device), products)[0]
-    s = s[0]
-    for qk, kk in zip(q_cols, k_cols):
-        s += qk * kk
+        first = torch.zeros(len(products), dtype=torch.long, device=rows.device)
+        return s.unsqueeze(0).index_add_(0, first, products)[0]
+    if exact_products:
+        # bf16 x bf16 is exact in fp32 (above 2^-133), so a fused multiply-add rounds where s += q k does
+        for qk, kk in zip(q_cols, k_cols):
+            s.addcmul_(qk, kk)
+    else:
+        for qk, kk in zip(q_cols, k_cols):
+            s += qk * kk
     return s
 
 
@@ -139,12 +145,13 @@ def _attend(q, kv, sink, idx, scale):
     den = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
     acc = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
     q_cols = _columns(q, -1)                                        # [D, B, M, H, 1]
+    exact = q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     for c0 in range(0, t, CHUNK):
         ic = idx[:, :, c0:c0 + CHUNK].long()                        # [B, M, C]
         valid = ic >= 0
         rows = kv[batch, ic.clamp_min(0)].float()                   # [B, M, C, D]
-        s = _dot_in_order(q_cols, rows) * scale                     # [B, M, H, C] fp32
+        s = _dot_in_order(q_cols, rows, exact) * scale              # [B, M, H, C] fp32
         s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
         new_mx = torch.maximum(mx, s.amax(-1))
         alpha = torch.exp(mx - new_mx)
