@@ -119,12 +119,12 @@ def _dot_in_order(q_cols: torch.Tensor, rows: torch.Tensor, exact_products: bool
     p; a blocked GEMM (einsum) flips some of them (layer-isolated block_pre_mix max diff 4.3e-4 instead of
     1.2e-4 at layer 4, 1.4e-4 vs 2.3e-5 at 0).
 
-    Two ways to the same sums: up to `max_sums` scores (a decode step's), all products formed at once and
-    added by index_add_, which adds its source slices one at a time in index order (D - 1 ops fewer: 2 to 10x
-    faster there); beyond, one column at a time (index_add_ over larger slices is the slower one)."""
+    Two ways to the same sums on CPU: up to `max_sums` scores (a decode step's), all products formed at once
+    and added by index_add_, which adds its source slices one at a time in index order there (D - 1 ops
+    fewer: 2 to 10x faster); beyond, one column at a time (index_add_ is slower on larger slices)."""
     k_cols = _columns(rows, -2)                                     # [D, B, M, 1, C]
     s = torch.zeros(*q_cols.shape[1:-1], rows.shape[-2], dtype=torch.float32, device=rows.device)
-    if s.numel() <= max_sums:
+    if s.numel() <= max_sums and rows.device.type == "cpu":      # CUDA's index_add_: no fixed order
         products = q_cols * k_cols                                  # [D, B, M, H, C]
         first = torch.zeros(len(products), dtype=torch.long, device=rows.device)
         return s.unsqueeze(0).index_add_(0, first, products)[0]
