@@ -29,26 +29,32 @@ def context():
     return ctx
 
 
+def call_main(args) -> int:
+    """generate.main(ARGS) as `python generate.py ARGS` ends: its exit status; for an exception it lets out,
+    a traceback printed and status 1."""
+    import generate
+    try:
+        return generate.main(list(args))
+    except SystemExit as e:                      # argparse's own exits
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        traceback.print_exc()
+        return 1
+
+
 def _rank(rank: int, world: int, port: int, args: list, stdin: str, out: str, err: str):
     """One rank of `torchrun --nproc-per-node WORLD generate.py ARGS`, its output in files `out` and `err`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import torch
-    import generate
     torch.set_num_threads(1)                    # what torchrun's OMP_NUM_THREADS=1 gives a fresh process
     os.chdir(ROOT)
     with open(out, "w", encoding="utf-8") as fo, open(err, "w", encoding="utf-8") as fe:
         os.dup2(fo.fileno(), 1)                 # native writes (gloo, torch warnings) land there too
         os.dup2(fe.fileno(), 2)
         sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), fo, fe
-        try:
-            code = generate.main(list(args))
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        code = call_main(args)
         fo.flush()
         fe.flush()
     os._exit(code)

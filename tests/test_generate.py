@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
@@ -164,18 +163,12 @@ def run_in_process(args, stdin=None):
     interpreter's imports (2-3 s a run) spared. Standard streams are swapped for the call; an exception
     main() lets out is printed as the interpreter would (a traceback, exit status 1); the torch thread count
     and RNG state the call sets are put back."""
-    import generate
     out, err = io.StringIO(), io.StringIO()
     threads, rng = torch.get_num_threads(), torch.get_rng_state()
     streams = sys.stdin, sys.stdout, sys.stderr
     sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), out, err
     try:
-        code = generate.main([*([] if "--threads" in args else ["--threads", "1"]), *args])
-    except SystemExit as e:                      # argparse's own errors
-        code = e.code if isinstance(e.code, int) else 1
-    except Exception:
-        traceback.print_exc()
-        code = 1
+        code = ranks.call_main([*([] if "--threads" in args else ["--threads", "1"]), *args])
     finally:
         sys.stdin, sys.stdout, sys.stderr = streams
         torch.set_num_threads(threads)
