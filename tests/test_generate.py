@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FIXTURE, ROOT, fixture_file
+import convert
 import ranks
 
 from inference.engine import generation, prompts
@@ -133,9 +134,7 @@ def tiny(tmp_path_factory):
     dirs = {}
     for mp in (1, 2):
         dirs[mp] = root / f"mp{mp}"
-        subprocess.run([sys.executable, "convert.py", "--hf-ckpt-path", str(hf), "--save-path", str(dirs[mp]),
-                        "--model-parallel", str(mp)],
-                       cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+        convert.convert(str(hf), str(dirs[mp]), mp, workers=1, progress=False, log=lambda *_: None)
     return {"config": str(cfg), "mp": {k: str(v) for k, v in dirs.items()}, "root": root,
             "vocab": config["vocab_size"]}
 
@@ -367,9 +366,7 @@ def vision_tiny(tmp_path_factory):
     config.update(vision_n_layers=1, vision_dim=64, vision_n_heads=4, vision_inter_dim=128)
     (root / "config.json").write_text(json.dumps(config))
     write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=5, shards=2)
-    subprocess.run([sys.executable, "convert.py", "--hf-ckpt-path", str(root / "hf"), "--save-path",
-                    str(root / "mp1"), "--model-parallel", "1"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+    convert.convert(str(root / "hf"), str(root / "mp1"), 1, workers=1, progress=False, log=lambda *_: None)
     return root, config
 
 

@@ -18,11 +18,18 @@ def released():
     return ModelArgs.from_file(os.path.join(ROOT, "config.json"))
 
 
+@pytest.fixture(scope="module")
+def released_w1():
+    """The released model at W = 1 on meta, built once for the tests that only read it (a build of its
+    64,000 modules takes seconds)."""
+    return Transformer(released(), device="meta")
+
+
 @pytest.mark.parametrize("world,total,engram,experts,rest", [
     (1, 477.9, 188.8, 275.7, 13.4), (4, 122.1, 47.2, 68.9, 5.9), (8, 62.7, 23.6, 34.5, 4.7)])
-def test_meta_build_memory_plan(world, total, engram, experts, rest):
+def test_meta_build_memory_plan(world, total, engram, experts, rest, released_w1):
     """Every shape of the released config, checked through the per-rank bytes of docs/checkpoint.md §6."""
-    model = Transformer(released(), ParallelContext(world, 0), device="meta")
+    model = released_w1 if world == 1 else Transformer(released(), ParallelContext(world, 0), device="meta")
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     eng = sum(v for n, v in sizes.items() if ".engram.embed." in n)
     exp = sum(v for n, v in sizes.items() if ".experts." in n)
@@ -33,9 +40,9 @@ def test_meta_build_memory_plan(world, total, engram, experts, rest):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-def test_meta_build_tensor_count():
+def test_meta_build_tensor_count(released_w1):
     # 96,085 HF tensors minus the 43 `wo_a.scale` that conversion folds into bf16 `wo_a`
-    model = Transformer(released(), device="meta")
+    model = released_w1
     assert len(dict(model.named_parameters())) == 96085 - 43
     # per-layer HF counts of docs/checkpoint.md §1.3, each minus its wo_a.scale
     assert sum(1 for n, _ in model.named_parameters() if n.startswith("layers.1.")) == 2340 - 1
@@ -65,8 +72,8 @@ def test_config_errors():
     assert RuntimeOptions.from_profile("fixed").fix_index_k_publish
 
 
-def test_layer_roles_released():
-    model = Transformer(released(), device="meta", build_dspark=False)
+def test_layer_roles_released(released_w1):
+    model = released_w1
     roles = {i: (l.attn.compressor is not None, l.attn.indexer is not None)
              for i, l in enumerate(model.layers)}
     assert [i for i, (c, _) in roles.items() if c] == [2, 8, 14, 20]

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -35,6 +36,11 @@ NEW = 40             # plain decoding's budget: max_seq_len - PROMPT_LEN, positi
 # The invariant order holds it bit for bit, with no margin (test_invariant_chunked_is_plain_greedy).
 TIE = Tolerances().tie_margin
 FORCED = 31          # right drafts all the way: the first token, then 5 steps of 5 accepted drafts + 1
+SAMPLED = 20         # sampled runs (T = 1): to position 42 (batch 1), past the window's wrap at 32 and the
+                     # top-k binding at 34
+SHORTER = 26         # the greedy budget of the MP 2 and invariant runs at batch 2: the longer prompt to
+                     # position 48 (the window's wraps at 32 and 48 and the binding top-k crossed), the
+                     # shorter one teacher-forced for 6 steps first
 CLI_TIMEOUT = 240
 TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
@@ -257,24 +263,25 @@ def plain_greedy(model, prompt, n):
 
 @torch.inference_mode()
 def plain_greedy_batch(model, prompts, n):
-    """generation.generate()'s loop (right padding, prefill up to the shortest prompt, teacher forcing), also
-    recording per row the top-1/top-2 margin of every generated token."""
+    """generation.generate() itself (right padding, prefill up to the shortest prompt, teacher forcing), its
+    prefill and decode steps' logits recorded: per row the top-1/top-2 margin of every generated token."""
     model.args.temperature = 0.0
-    lens = [len(p) for p in prompts]
-    total = min(model.args.max_seq_len, n + max(lens))
-    tokens = torch.full((len(prompts), total), -1, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p)
-    margins = torch.full(tokens.shape, float("nan"))
-    nxt, logits, _ = generation.prefill(model, tokens[:, :min(lens)])
-    for cur in range(min(lens), total):
-        if cur > min(lens):
-            nxt, logits = generation.decode_step(model, tokens[:, cur - 1:cur], cur - 1)
-        top2 = logits.topk(2, dim=-1).values
-        margins[:, cur] = top2[:, 0] - top2[:, 1]
-        tokens[:, cur] = torch.where(tokens[:, cur] >= 0, tokens[:, cur], nxt)
-    return ([tokens[b, m:m + n].tolist() for b, m in enumerate(lens)],
-            [margins[b, m:m + n].tolist() for b, m in enumerate(lens)])
+    logits = []                                    # one [B, V] per position from the shortest prompt's end on
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            logits.append(out[1])
+            return out
+        return call
+
+    with mock.patch.object(generation, "prefill", recorded(generation.prefill)), \
+            mock.patch.object(generation, "decode_step", recorded(generation.decode_step)):
+        tokens, _ = generation.generate(model, prompts, n, -1)
+    top2 = torch.stack(logits).topk(2, dim=-1).values                          # [steps, B, 2]
+    margins = (top2[..., 0] - top2[..., 1]).T                                  # [B, steps]
+    first = [len(p) - min(len(q) for q in prompts) for p in prompts]
+    return tokens, [margins[b, f:f + len(tokens[b])].tolist() for b, f in enumerate(first)]
 
 
 def suite(model, prompt, batch, verifies=("sequential", "chunked"), new=NEW + 10, batch1=True):
@@ -290,7 +297,7 @@ def suite(model, prompt, batch, verifies=("sequential", "chunked"), new=NEW + 10
         out["chunked"] = (tokens, st.decisions, st.plain_steps, st.mean_accepted, st.tokens_per_forward)
         for verify in verifies:
             torch.manual_seed(5)
-            tokens, st = speculative_generate(model, prompt, 30, -1, 1.0, 5, verify)
+            tokens, st = speculative_generate(model, prompt, SAMPLED, -1, 1.0, 5, verify)
             out[f"sampled_{verify}"] = (tokens, st.decisions)
     out["plain2"], out["margins2"] = plain_greedy_batch(model, batch, new)
     for verify in verifies:
@@ -298,7 +305,7 @@ def suite(model, prompt, batch, verifies=("sequential", "chunked"), new=NEW + 10
         out[f"{verify}2"] = (tokens, st.decisions, st.plain_steps, st.mean_accepted, st.tokens_per_forward,
                              st.discarded)
     torch.manual_seed(6)
-    tokens, _, st = speculative_generate_batch(model, batch, 30, -1, 1.0, 5, "chunked")
+    tokens, _, st = speculative_generate_batch(model, batch, SAMPLED, -1, 1.0, 5, "chunked")
     out["sampled2"] = (tokens, st.decisions)
     return out
 
@@ -343,22 +350,21 @@ def test_chunked_greedy_is_plain_greedy_up_to_near_ties(mp1):
 
 
 def test_invariant_chunked_is_plain_greedy(ckpt):
-    """Invariant order: chunked verification equals plain decoding bit for bit (no margin), over the whole
-    budget (the 16-token window and the compression groups crossed twice and more), at batch 2: the batch
-    holds the batch-1 tests' prompt as a row, and in this order a row's bits do not depend on its batch
+    """Invariant order: chunked verification equals plain decoding bit for bit (no margin), across the
+    16-token window's wraps at 32 and 48 and the binding top-k, at batch 2: the batch holds the batch-1
+    tests' prompt as a row, and in this order a row's bits do not depend on its batch
     (tests/test_invariant_model.py)."""
     model = build(ckpt, numerics="invariant")
-    plain2, _ = plain_greedy_batch(model, ckpt["batch"], NEW)
-    tokens2, _, _ = speculative_generate_batch(model, ckpt["batch"], NEW, -1, 0.0, 5, "chunked")
-    assert tokens2 == plain2
+    plain2, _ = plain_greedy_batch(model, ckpt["batch"], SHORTER)
+    tokens2, _, _ = speculative_generate_batch(model, ckpt["batch"], SHORTER, -1, 0.0, 5, "chunked")
+    assert [len(t) for t in plain2] == [SHORTER, SHORTER] and tokens2 == plain2
 
 
 def test_batch_of_two_greedy_is_plain_batch_greedy(mp1, ckpt):
     model, r = mp1
     plain = r["plain2"]
     assert [len(t) for t in plain] == [NEW + 6, NEW]
-    model.args.temperature = 0.0
-    assert generation.generate(model, ckpt["batch"], NEW + 10, -1)[0] == plain   # the helper is generate()'s
+    # plain2 is generation.generate()'s own output (plain_greedy_batch runs it)
     tokens, decisions, plain_steps, mean_acc, tpf, _ = r["sequential2"]
     assert tokens == plain
     assert plain_steps >= 5                       # the shorter prompt is teacher-forced first
@@ -369,7 +375,7 @@ def test_batch_of_two_greedy_is_plain_batch_greedy(mp1, ckpt):
     for b in range(2):
         check_chunked(f"MP 1 batch row {b} chunked", tokens[b], plain[b], r["margins2"][b])
     tokens, decisions = r["sampled2"]     # reproducible from its seed: the MP 2 test's ranks draw alike
-    assert [len(t) for t in tokens] == [30, 30] and len(decisions) > 0
+    assert [len(t) for t in tokens] == [SAMPLED, SAMPLED] and len(decisions) > 0
 
 
 def test_batch_of_two_forced_drafts(mp1, ckpt):
@@ -445,13 +451,13 @@ def test_sampled_runs_are_reproducible(mp1, ckpt):
     model, r = mp1
     for verify in ("sequential", "chunked"):
         tokens, decisions = r[f"sampled_{verify}"]
-        assert len(tokens) == 30 and all(0 <= t < ckpt["vocab"] for t in tokens)
+        assert len(tokens) == SAMPLED and all(0 <= t < ckpt["vocab"] for t in tokens)
         accepted = [a for a, _ in decisions]
         print(f"T = 1, {verify}: mean accepted length {sum(accepted) / len(accepted):.2f} over "
               f"{len(accepted)} steps")
     # the same seed, the same run (one verification suffices: the draws do not depend on it)
     torch.manual_seed(5)
-    again, st = speculative_generate(model, ckpt["prompt"], 30, -1, 1.0, 5, "chunked")
+    again, st = speculative_generate(model, ckpt["prompt"], SAMPLED, -1, 1.0, 5, "chunked")
     assert (again, st.decisions) == r["sampled_chunked"]
 
 
@@ -468,7 +474,7 @@ def _worker(rank, port, ckpt, out_dir):
     try:
         torch.manual_seed(0)
         model = build(ckpt, rank, 2)
-        out = suite(model, ckpt["prompt"], ckpt["batch"], ("chunked",), batch1=False)
+        out = suite(model, ckpt["prompt"], ckpt["batch"], ("chunked",), new=SHORTER, batch1=False)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -479,7 +485,7 @@ def test_mp2_same_decisions_on_every_rank_and_exactness(ckpt, tmp_path):
     ranks.spawn(_worker, (free_port(), args, str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
     assert r0 == r1                                # tokens, decisions and statistics, greedy and sampled
-    assert [len(t) for t in r0["plain2"]] == [NEW + 6, NEW]
+    assert [len(t) for t in r0["plain2"]] == [SHORTER, SHORTER]
     for b in range(2):
         check_chunked(f"MP 2 batch row {b} chunked", r0["chunked2"][0][b], r0["plain2"][b], r0["margins2"][b])
 

@@ -5,15 +5,14 @@ count, image outside the prefill chunk, --language-model-only, a model without a
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from test_generate import TIMEOUT, ScriptedModel, assert_clean_error, read_jsonl, run_cli
+import convert
+from test_generate import ScriptedModel, assert_clean_error, read_jsonl, run_cli
 
 from encoding import IMAGE_PLACEHOLDER, encode_case
 from inference.engine import prompts, scoring
@@ -50,9 +49,7 @@ def demo(tmp_path_factory):
     mp = {}
     for w in (1, 2):
         mp[w] = str(root / f"mp{w}")
-        subprocess.run([sys.executable, "convert.py", "--hf-ckpt-path", str(root / "hf"), "--save-path",
-                        mp[w], "--model-parallel", str(w)],
-                       cwd=ROOT, check=True, capture_output=True, timeout=TIMEOUT)
+        convert.convert(str(root / "hf"), mp[w], w, workers=1, progress=False, log=lambda *_: None)
     return {"root": root, "config": config, "mp": mp, "margs": margs, "tok": load_tokenizer(mp[1])}
 
 
