@@ -15,7 +15,7 @@ from inference.config import RuntimeOptions
 from inference.engine.scoring import score
 
 DIGESTS = os.path.join(FIXTURES, "invariant_digests.json")
-LEN = 96            # tokens scored in the batch / chunk tests: past the 64-token window, several groups
+LEN = 96            # tokens prefilled in the chunk tests: past the 64-token window, several groups
 
 
 def invariant(**kw) -> RuntimeOptions:
@@ -39,22 +39,25 @@ def logits_of(model, seqs, prefill_len):
 
 
 def test_a_row_alone_and_inside_a_batch_of_three(model, seq):
+    """Prefilled to 60, then decoded across the 64-token window to 76; the other rows end before and
+    after it."""
     g = torch.Generator().manual_seed(0)
-    others = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in (LEN - 13, LEN + 9)]
-    alone = logits_of(model, [seq], 60)[:, 0]                        # decoding across the 64-token window
-    batch = logits_of(model, [others[0], seq, others[1]], 60)[:, 1]
+    others = [torch.randint(4, 1000, (n,), generator=g).tolist() for n in (63, 85)]
+    alone = logits_of(model, [seq[:76]], 60)[:, 0]
+    batch = logits_of(model, [others[0], seq[:76], others[1]], 60)[:, 1]
     assert torch.equal(alone, batch[:alone.shape[0]])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_prefill_in_one_call_and_in_chunks(model, seq, chunk):
+    """Chunks of 7 and 64 all the way; chunks of 1 across the 64-token window (positions 56..71), the rest
+    in one call before and one after."""
     ids = torch.tensor([seq])
     model.reset()
     whole = model(ids, 0, all_logits=True)[1]                         # [1, L, V]
     model.reset()
-    parts = [model(ids[:, :chunk], 0, all_logits=True)[1]]
-    for start in range(chunk, LEN, chunk):
-        parts.append(model(ids[:, start:start + chunk], start, all_logits=True, prefill=True)[1])
+    bounds = [0, *range(56, 72), LEN] if chunk == 1 else [*range(0, LEN, chunk), LEN]
+    parts = [model(ids[:, a:b], a, all_logits=True, prefill=True)[1] for a, b in zip(bounds, bounds[1:])]
     assert torch.equal(torch.cat(parts, dim=1), whole)
 
 
