@@ -31,8 +31,10 @@ TILELANG_NEEDS = {"tilelang", "apache-tvm-ffi", "torch-c-dlpack-ext", "z3-solver
 
 
 def run(cmd, env=None, timeout=600, drop=()):
+    # One torch thread (the rehearsal and the processes it starts): beside the suite's other worker, two
+    # threads per process fight for two cores and the rehearsal takes 1.7 times as long.
     full = {k: v for k, v in os.environ.items() if k not in drop}
-    full.update({"PYTHON": sys.executable, **(env or {})})
+    full.update({"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})})
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full,
                           stdin=subprocess.DEVNULL)
 
