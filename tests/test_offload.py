@@ -49,8 +49,7 @@ def assert_same(a: dict, b: dict):
 @pytest.mark.parametrize("numerics", ["reference", "fast", "invariant"])
 def test_streamed_scoring_is_bitwise_the_in_memory_scoring(numerics):
     seqs, p = fixture_score_inputs()
-    if numerics == "invariant":    # the slow order: a shorter run proves the same thing
-        seqs, p = [s[:p + 6] for s in seqs], p
+    seqs = [s[:p + 6] for s in seqs]      # the prefill and 5 decode steps: more steps prove nothing more
     memory = score(load(numerics, "none", len(seqs)), seqs, p, all_prefill_logits=True)
     model = load(numerics, "disk", len(seqs))
     streamed = score(model, seqs, p, all_prefill_logits=True)
@@ -123,16 +122,19 @@ def test_a_shard_that_does_not_match_is_named(tmp_path):
 
 
 def test_cli_offload_disk_writes_the_in_memory_file(tmp_path):
+    seqs, p = fixture_score_inputs()
+    spec = tmp_path / "score.json"
+    spec.write_text(json.dumps({"sequences": [s[:p + 6] for s in seqs], "prefill_len": p}))
     outs = {}
     for offload in ("none", "disk"):
         outs[offload] = tmp_path / f"{offload}.safetensors"
         proc = run_cli(["--ckpt-path", FIXTURE, "--config", os.path.join(FIXTURE, "config.json"),
-                        "--device", "cpu", "--threads", "1", "--score", SCORE, "--dump-logits",
+                        "--device", "cpu", "--threads", "1", "--score", str(spec), "--dump-logits",
                         str(outs[offload]), "--all-prefill-logits", "--dspark", "--offload", offload])
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    # 21 forwards of 8 blocks and the head, plus the draft head's own calls of the (streamed) head
+    # 6 forwards of 8 blocks and the head, plus the draft head's own calls of the (streamed) head
     units = re.search(r"offload: (\d+) units run \(blocks and head\)", proc.stdout + proc.stderr)
-    assert units and int(units.group(1)) > 189, proc.stdout + proc.stderr
+    assert units and int(units.group(1)) > 6 * 9, proc.stdout + proc.stderr
     assert_same(load_file(str(outs["none"])), load_file(str(outs["disk"])))
 
 
