@@ -128,21 +128,20 @@ def test_16k_prompt_in_chunks_then_decoding_past_the_stale_key_position(ckpt, on
 
 def test_invariant_chunks_give_the_bits_of_one_call(ckpt, one_thread):
     """--numerics invariant: every prefill position's logits, then two decode steps, identical to one call,
-    for chunks of 7 (inside the groups and candidate blocks), 129 (odd, across the window) and 1000 tokens and
-    for 1-token chunks across position 1,025 (a prefill chunk of one token is not a decode step: it publishes
-    the index keys as one call would)."""
+    for chunks of 129 (odd, across the window) and 1000 tokens, and for one run of chunks of 7 over the first
+    301 positions (inside the groups and candidate blocks, across the window and the top-k binding at 129)
+    and of 1 token across position 1,025 (a prefill chunk of one token is not a decode step: it publishes
+    the index keys as one call would), the rest in one call between and one after."""
     model = build(ckpt, "invariant")
     ids = ckpt["ids"][:, :SHORT + 2]
     whole, decoded = run(model, ids, SHORT, None, all_logits=True)
-    for chunk in (7, 129, 1000):
+    for chunk in (129, 1000):
         got, steps = run(model, ids, SHORT, chunk, all_logits=True)
         assert torch.equal(got, whole) and torch.equal(steps, decoded), chunk
-    # 1-token chunks over positions 1,020..1,030, the rest in two calls
+    bounds = [*range(0, 301, 7), 301, *range(1020, 1032), SHORT]
     model.reset()
     with torch.inference_mode():
-        parts = [model(ids[:, :1020], 0, all_logits=True)[1]]
-        parts += [model(ids[:, p:p + 1], p, all_logits=True, prefill=True)[1] for p in range(1020, 1031)]
-        parts.append(model(ids[:, 1031:SHORT], 1031, all_logits=True, prefill=True)[1])
+        parts = [model(ids[:, a:b], a, all_logits=True, prefill=True)[1] for a, b in zip(bounds, bounds[1:])]
         steps = torch.stack([model(ids[:, p:p + 1], p)[1] for p in range(SHORT, SHORT + 2)])
     assert torch.equal(torch.cat(parts, dim=1), whole) and torch.equal(steps, decoded)
     # ... whereas decode steps there read the stale keys: the check can tell the two apart
