@@ -58,9 +58,9 @@ def fixture_tensors(name: str):
 # `bash run.sh test` hands whole files to two workers in collection order (--no-loadscope-reorder): the
 # slowest files go first, so that no worker is left running one of them while the other has finished.
 # Their tests' own seconds on 2 cores (docs/benchmarks.md §4); a stale order costs time, never a result.
-SLOWEST_FIRST = ["test_speculative.py", "test_gpu_check.py", "test_kernels_compile.py", "test_invariant_model.py",
-                 "test_vision_cli.py", "test_generate.py", "test_long_context.py", "test_prefill_chunks.py",
-                 "test_offload.py", "test_model_fixture.py"]
+SLOWEST_FIRST = ["test_speculative.py", "test_gpu_check.py", "test_kernels_compile.py",
+                 "test_invariant_model.py", "test_vision_cli.py", "test_generate.py", "test_long_context.py",
+                 "test_prefill_chunks.py", "test_offload.py", "test_model_fixture.py"]
 
 
 def pytest_collection_modifyitems(config, items):
