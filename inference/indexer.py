@@ -16,11 +16,13 @@ def topk_indices(x: torch.Tensor, k: int, deterministic: bool, sorted: bool = Tr
     them in the order of a stable descending sort (of a NaN-free x) without sorting the whole row."""
     if not deterministic:
         return x.topk(k, dim=-1, sorted=sorted).indices
+    t = x.shape[-1]
     kth = x.topk(k, dim=-1).values[..., -1:]                          # [..., 1] the k-th largest value
-    above, tied = x > kth, x == kth                     # fewer than k above it; with the ties, k or more
-    need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
-    take = above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= need))    # exactly k per row
-    pos = take.to(torch.int8).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values   # [..., k] ascending
+    # One int32 key per entry, distinct where it matters: t above the k-th value (fewer than k entries),
+    # t - 1 - index at it (the lowest index first), -1 below it. Its top k is the set a stable sort keeps.
+    key = torch.arange(t - 1, -1, -1, dtype=torch.int32, device=x.device).expand(x.shape).clone()
+    key.masked_fill_(x > kth, t).masked_fill_(x < kth, -1)
+    pos = key.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values   # [..., k] ascending
     order = torch.sort(x.gather(-1, pos), dim=-1, descending=True, stable=True).indices
     return pos.gather(-1, order)
 
