@@ -19,7 +19,8 @@ embedding and the kept DSpark inputs):
                              widest output
   indexer scores             streams + 6 bytes * n * T at the smallest index-layer ratio (T = S at ratio 1):
                              the bf16 scores, their masked copy, the candidate mask and its complement (+10
-                             with deterministic top-k, which sorts every row), plus the 2^26-element chunk
+                             with deterministic top-k, a bound on its int32 key per entry and the
+                             comparison masks that fill it), plus the 2^26-element chunk
   sparse attention           streams + n * (3 * H_local * head_dim * 2 + (window + topk) * 8) + one block of
                              64 queries (gathered fp32 rows, scores, accumulators)
   compressed KV read         streams + B * T * (2 * head_dim + 3 * (head_dim + index_head_dim) if packed):
@@ -64,8 +65,8 @@ STORED_AS_BF16 = re.compile(r"^(head\.weight|mtp\.\d+\.markov_head\.head\.weight
 
 GIB = 1 << 30
 RESERVE = 2 * GIB
-GEMM_CHUNK = 1 << 27        # inference/quant.py block_scaled_gemm: bytes of partials per row chunk
-SCORE_CHUNK = 1 << 26       # inference/indexer.py _head_weighted_scores: elements per query chunk
+GEMM_CHUNK = 1 << 27        # inference/kernels/reference.py block_scaled_gemm: bytes of partials per chunk
+SCORE_CHUNK = 1 << 26       # inference/kernels/reference.py index_scores: elements per query chunk
 MARGIN = 1.2                # on every workspace stage: temporaries the terms leave out, allocator slack
 PACKED_READ = 3             # bytes per value a packed-cache read adds: the decoded bf16, a copy of the codes
 
