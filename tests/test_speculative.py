@@ -191,8 +191,11 @@ def test_greedy_rule():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A tiny model: the fixture's config and tokenizer,
-# window 16, draft block 5, binding top-k, max_seq_len so that generation runs into it
+# A tiny model: the fixture's config and tokenizer, window 16, draft block 5, binding top-k, max_seq_len so
+# that generation runs into it; its 8 layers cut to 6 that keep every layer role (window-only with Engram,
+# ratio-2 KV and index source with Engram, ratio-2 reuser, ratio-1 KV, index and candidate source, ratio-1
+# reuser, ratio-1 index-only source; the fixture's last two repeat the last two roles), DSpark reading the
+# last three
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -208,6 +211,10 @@ def ckpt(tmp_path_factory):
         config.pop(key, None)
     config.update(window_size=16, dspark_block_size=5, max_seq_len=PROMPT_LEN + NEW, index_topk=16,
                   candidate_topk_blocks=4)
+    assert config["compress_ratios"] == [0, 2, 2, 1, 1, 1, 1, 1, 0, 0]
+    assert config["kv_source_layers"] == [1, 3] and config["candidate_source_layer"] == 3
+    config.update(n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0], index_source_layers=[1, 3, 5],
+                  dspark_target_layer_ids=[3, 4, 5])
     cfg = root / "config.json"
     cfg.write_text(json.dumps(config, indent=1))
     tok = root / "tok"
