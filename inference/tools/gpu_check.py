@@ -509,19 +509,25 @@ def _run(cmd, clock: Clock, what: str):
     return p.returncode == 0, (p.stdout + p.stderr).strip()
 
 
-def _synthetic(argv: list, clock: Clock, what: str):
-    """`python -m inference.tools.synthetic ARGV`, run in this process (no second start-up of torch; its
-    shard writers, when it starts any, are spawned): (ok, output)."""
-    from . import synthetic
+def _in_process(main, argv: list, clock: Clock, what: str):
+    """A tool's main(ARGV) run in this process, as `python -m` would run it but without a second start-up of
+    torch, within the clock: (ok, its output)."""
     if clock.left() < 10:
         return False, f"{what}: skipped, out of time"
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            ok = synthetic.main(argv) == 0
+            ok = main(argv) == 0
         except SystemExit as e:     # its argument parser
             ok = e.code == 0
     return ok, out.getvalue().strip()
+
+
+def _synthetic(argv: list, clock: Clock, what: str):
+    """`python -m inference.tools.synthetic ARGV` in this process (its shard writers, when it starts any, are
+    spawned): (ok, output)."""
+    from . import synthetic
+    return _in_process(synthetic.main, argv, clock, what)
 
 
 def _tail(text: str, n: int = 12) -> str:
@@ -546,13 +552,8 @@ def _compare(a: str, b: str, clock: Clock, what: str, tolerances=()) -> bool:
     if clock.left() < 10:
         note(f"{what}: skipped, out of time")
         return False
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            ok = parity.main(["compare", a, b, *tolerances]) == 0
-        except SystemExit as e:     # its argument parser
-            ok = e.code == 0
-    note(f"{what}: {'ok' if ok else 'FAIL'}\n{_tail(out.getvalue().strip())}")
+    ok, out = _in_process(parity.main, ["compare", a, b, *tolerances], clock, what)
+    note(f"{what}: {'ok' if ok else 'FAIL'}\n{_tail(out)}")
     return ok
 
 
@@ -646,17 +647,15 @@ def phase_bench(ctx: Ctx, backends=("tilelang", "torch")) -> bool:
         json.dump(cfg, f)
     hf, ckpt = os.path.join(tmp, f"{name}-hf"), os.path.join(tmp, f"{name}-mp1")
     t0 = time.perf_counter()
-    steps_to_checkpoint = (
-        ("synthetic checkpoint",
-         lambda: _synthetic(["--config", cfg_path, "--out", hf, "--shards", "8", *extra], clock,
-                            "synthetic checkpoint")),
-        ("convert.py", lambda: _run([sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf,
-                                     "--save-path", ckpt, "--model-parallel", "1"], clock, "convert.py")))
-    for what_cmd, step in steps_to_checkpoint:
-        ok, out = step()
-        if not ok:
-            note(f"bench: {what_cmd} failed or ran out of time\n{_tail(out)}")
-            return False
+    what_cmd = "synthetic checkpoint"
+    ok, out = _synthetic(["--config", cfg_path, "--out", hf, "--shards", "8", *extra], clock, what_cmd)
+    if ok:
+        what_cmd = "convert.py"
+        ok, out = _run([sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf, "--save-path",
+                        ckpt, "--model-parallel", "1"], clock, what_cmd)
+    if not ok:
+        note(f"bench: {what_cmd} failed or ran out of time\n{_tail(out)}")
+        return False
     note(f"bench: 2-layer {what} written and converted in {time.perf_counter() - t0:.1f} s")
     _warm(ckpt, cfg, "bench", compile_them=not ctx.rehearse)
     args = ModelArgs.from_dict(cfg, max_seq_len=max(p for _, p in shapes) + 64,
