@@ -29,11 +29,22 @@ def fixture_file(path: str) -> str:
 
 
 def free_port() -> int:
-    """A free localhost TCP port for a gloo rendezvous in a test."""
+    """A free localhost TCP port for a gloo rendezvous in a test: below the kernel's ephemeral range (32768
+    and up on Linux), in a block of 2,000 ports for each pytest worker. A port the kernel hands out (bind to
+    port 0) can be handed out again, to another worker's ranks or to any outgoing connection, between this
+    call and rank 0's bind; a port below that range in a block of this worker's own cannot."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    low = 20000 + 2000 * (int(worker[2:]) % 6 if worker[2:].isdigit() else 0)
+    for port in random.Random().sample(range(low, low + 2000), 2000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {low}..{low + 1999} for {worker}")
 
 
 def fixture_model(opts=None, **overrides):
