@@ -36,6 +36,7 @@ def free_port() -> int:
     import random
     import socket
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    # six blocks fit between 20000 and the ephemeral range; a seventh worker shares gw0's block
     low = 20000 + 2000 * (int(worker[2:]) % 6 if worker[2:].isdigit() else 0)
     for port in random.Random().sample(range(low, low + 2000), 2000):
         with socket.socket() as s:

@@ -116,9 +116,9 @@ def test_every_kernel_compiles_for_sm90a(lowered):
     try:
         cubin = tilelang_callback_cuda_compile(head + "\n".join(bodies), target)
     except RuntimeError as e:
-        bad = {next(k for first, k in reversed(starts) if first <= int(n))
+        bad = {next((k for first, k in reversed(starts) if first <= int(n)), "the #include block")
                for n in re.findall(r"\.cu\((\d+)\): error", str(e))}
-        pytest.fail(f"nvcc failed for {ARCH} in {sorted(bad) or 'the shared headers'}:\n{str(e)[-3000:]}")
+        pytest.fail(f"nvcc failed for {ARCH} in {sorted(bad) or 'the headers'}:\n{str(e)[-3000:]}")
     assert len(entries) >= len(sources)
     missing = [e for e in entries if e.encode() not in bytes(cubin)]
     assert not missing, f"the {ARCH} cubin lacks the entries {missing}"
