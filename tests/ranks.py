@@ -7,6 +7,7 @@ whose OpenMP pool is running can hang the child). What a rank runs is what it ru
 environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), generate.main(ARGS), its exit status. The torchrun launcher
 itself stays covered where it matters: test_generate's interactive and missing-shard tests run under it.
 """
+import faulthandler
 import functools
 import io
 import multiprocessing
@@ -16,9 +17,15 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from multiprocessing.connection import wait
 
 from conftest import ROOT, free_port
+
+# A rank still running after this long writes every thread's stack to its stderr file (again each period):
+# a run that stands still and then goes on is reported as a warning with those stacks, a run that times out
+# fails with them. The slowest run in the suite takes under a tenth of this on a 2-core machine.
+STACKS_AFTER_S = 120
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +61,7 @@ def _rank(rank: int, world: int, port: int, args: list, stdin: str, out: str, er
         os.dup2(fo.fileno(), 1)                 # native writes (gloo, torch warnings) land there too
         os.dup2(fe.fileno(), 2)
         sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin or ""), fo, fe
+        faulthandler.dump_traceback_later(STACKS_AFTER_S, repeat=True, file=fe)
         code = call_main(args)
         fo.flush()
         fe.flush()
@@ -76,6 +84,7 @@ def run_generate(args, nproc: int, stdin=None, timeout: float = 600) -> subproce
             while any(p.exitcode is None for p in procs):
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    print(f"the ranks' stderr at the timeout:\n{_errs(files)}")     # shown with the failure
                     raise subprocess.TimeoutExpired(["generate.py", *args], timeout)
                 wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
                 if any(p.exitcode for p in procs):
@@ -85,13 +94,26 @@ def run_generate(args, nproc: int, stdin=None, timeout: float = 600) -> subproce
                 if p.exitcode is None:
                     p.kill()
                 p.join()
-        out, err = ("".join(open(f[i], encoding="utf-8").read() for f in files) for i in (0, 1))
+        out, err = "".join(open(f[0], encoding="utf-8").read() for f in files), _errs(files)
     code = 1 if any(p.exitcode for p in procs) else 0
+    if "Timeout (" in err:          # faulthandler's header: a rank ran past STACKS_AFTER_S
+        warnings.warn(f"generate.py {' '.join(args)}: a rank ran past {STACKS_AFTER_S} s; its stacks:\n{err}")
     return subprocess.CompletedProcess(["generate.py", *args], code, out, err)
 
 
+def _errs(files) -> str:
+    """The ranks' stderr files, concatenated in rank order."""
+    return "".join(open(f[1], encoding="utf-8").read() for f in files)
+
+
+def _with_stacks(rank: int, fn, *args):
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, repeat=True)     # to the worker's stderr
+    fn(rank, *args)
+
+
 def spawn(fn, args: tuple, nprocs: int = 2):
-    """torch.multiprocessing.spawn(fn, args, nprocs) with the ranks forked from the warm server."""
+    """torch.multiprocessing.spawn(fn, args, nprocs) with the ranks forked from the warm server (a rank still
+    running after STACKS_AFTER_S writes its stacks to stderr)."""
     import torch.multiprocessing as mp
     context()
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+    mp.start_processes(_with_stacks, args=(fn, *args), nprocs=nprocs, start_method="forkserver")
