@@ -735,7 +735,7 @@ def phase_tp(ctx: Ctx) -> bool:
 # Phase: decode steps replayed from CUDA graphs against eager ones
 
 CUDAGRAPH_RUN = (200, 60)        # prompt past the window, then steps across the 256 bucket and both parities
-REHEARSAL_CUDAGRAPH = (56, 12)   # the rehearsal's, on CPU (bucket minimum 32: the 64 bucket is crossed)
+REHEARSAL_CUDAGRAPH = (60, 6)    # the rehearsal's, on CPU (bucket minimum 32: the 64 bucket is crossed)
 
 
 def phase_cudagraph(ctx: Ctx) -> bool:
