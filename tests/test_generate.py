@@ -356,14 +356,16 @@ def test_setup_errors(tiny, case):
 
 @pytest.fixture(scope="module")
 def vision_tiny(tmp_path_factory):
-    """The demo model with a one-block ViT, and the real tokenizer (it knows image_token_id 129264)."""
+    """The demo model with a one-block ViT that enlarges images to 10,000 pixels (not 544 x 544: a span of 14
+    positions, not about 200), and the real tokenizer (it knows image_token_id 129264)."""
     from inference.config import ModelArgs
     from inference.tools.synthetic import write_synthetic_checkpoint
 
     root = tmp_path_factory.mktemp("vision_tiny")
     with open(os.path.join(ROOT, "demo", "config.json")) as f:
         config = json.load(f)
-    config.update(vision_n_layers=1, vision_dim=64, vision_n_heads=4, vision_inter_dim=128)
+    config.update(vision_n_layers=1, vision_dim=64, vision_n_heads=4, vision_inter_dim=128,
+                  vision_min_pixels=10_000)
     (root / "config.json").write_text(json.dumps(config))
     write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=5, shards=2)
     convert.convert(str(root / "hf"), str(root / "mp1"), 1, workers=1, progress=False, log=lambda *_: None)
