@@ -107,10 +107,11 @@ def test_two_ranks_give_the_w1_bits(model, seq, tmp_path):
     full = load_file(os.path.join(FIXTURE, "model0-mp1.safetensors"))
     for rank in range(2):
         save_file(reshard(full, 2, rank), str(ckpt / f"model{rank}-mp2.safetensors"))
-    ranks.spawn(_worker, (free_port(), str(ckpt), seq[:60], str(tmp_path)))
+    # a prefill of 40 and 8 decode steps: both parities of the ratio-2 groups, every step all-reduced
+    ranks.spawn(_worker, (free_port(), str(ckpt), seq[:48], str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt") for i in range(2))
-    assert torch.equal(r0, r1)
-    assert torch.equal(r0, logits_of(model, [seq[:60]], 40))
+    assert torch.equal(r0, r1) and r0.shape[0] == 9
+    assert torch.equal(r0, logits_of(model, [seq[:48]], 40))
 
 
 # ---------------------------------------------------------------------------------------------------------
