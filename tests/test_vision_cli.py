@@ -34,10 +34,10 @@ def two_image_messages(first=IMAGES["gradient"], second=IMAGES["stripes"]):
         {"type": "text", "text": QUESTION}]}]
 
 
-# The demo model enlarges every image to at least 544 x 544 pixels (vision_min_pixels as released): 200 and 205
-# positions for the two small images. Here images are enlarged to 10,000 pixels only, so that the 40x200 one
-# still goes through the enlargement and the 160x96 one does not: 17 + 20 positions, a prompt of 53 instead of
-# 421, whose prefill is most of a run's time. What the tests prove does not depend on the size.
+# The demo model enlarges every image to at least 544 x 544 pixels (vision_min_pixels as released): 200 and
+# 205 positions for the two small images. Here images are enlarged to 10,000 pixels only, so that the 40x200
+# one still goes through the enlargement and the 160x96 one does not: 17 + 20 positions, a prompt of 53
+# instead of 421, whose prefill is most of a run's time. What the tests prove does not depend on the size.
 MIN_PIXELS = 10_000
 
 
