@@ -146,6 +146,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "order; invariant = the same bits on every machine, thread count, batch, chunking and W)")
     add("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto",
         help="auto = tilelang on a GPU of compute capability >= 9.0 when installed, else torch")
+    add("--kernel-build", choices=["default", "plain"], default="default", help="how the TileLang kernels "
+        "are built: plain = no warp specialization or TMA lowering (the device check says which passed)")
     add("--fix-index-k", action="store_true", help="fix the stale index-key cache defect")
     add("--deterministic-topk", action="store_true",
         help="break exact top-k ties by lowest index (reproducible across platforms)")
@@ -313,6 +315,7 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     log.info(margs)
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
+                                       kernel_build=o.kernel_build,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
     sess.runner.prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,

@@ -197,6 +197,7 @@ class ModelArgs:
 
 
 ENGRAM_PLACEMENTS = ("device", "host", "disk")
+KERNEL_BUILDS = ("default", "plain")       # inference/kernels/tilelang_ops.py SETTINGS
 ORDERS = ("auto", "exact", "fast", "invariant")
 # --numerics: words over the three axes of RuntimeOptions (rounding points: reference or golden; the
 # index-key fix; summation order), see docs/numerics.md §15.
@@ -209,6 +210,10 @@ class RuntimeOptions:
     fix_index_k_publish: bool = False   # fix of the stale index-key defect (docs/numerics.md §14.1)
     deterministic_topk: bool = False    # stable lowest-index tie-breaking in every top-k
     kernel_backend: str = "auto"        # torch | tilelang | auto (inference/kernels/__init__.py picks)
+    # How the TileLang kernels are built: default (TileLang's passes) or plain (no warp specialization and no
+    # TMA lowering, as DeepSeek builds its kernels). The same numbers either way; the device check says
+    # which one ran on a given GPU.
+    kernel_build: str = "default"
     # Summation order of the torch kernels: exact (the reference's, bit for bit on CPU), fast (loop-free, the
     # same rounding points), invariant (every reduction in an order fixed by the shapes: the same bits on
     # every CPU, thread count, batch, chunking and world size) or auto (exact on CPU, fast on CUDA).
@@ -248,6 +253,9 @@ class RuntimeOptions:
         opts.deterministic_topk = opts.deterministic_topk or opts.order == "invariant"
         if opts.order not in ORDERS:
             raise ConfigError(f"unknown summation order {opts.order!r} (expected one of {', '.join(ORDERS)})")
+        if opts.kernel_build not in KERNEL_BUILDS:
+            raise ConfigError(f"unknown kernel build {opts.kernel_build!r} (expected one of "
+                              f"{', '.join(KERNEL_BUILDS)})")
         if opts.engram_on not in ENGRAM_PLACEMENTS:
             raise ConfigError(f"unknown Engram placement {opts.engram_on!r} (expected one of "
                               f"{', '.join(ENGRAM_PLACEMENTS)})")

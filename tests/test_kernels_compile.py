@@ -267,12 +267,16 @@ def test_gpu_check_cases_accept_the_torch_path_and_catch_a_wrong_kernel(ops, rel
     from inference.kernels import fast, reference as ref
     from inference.quant import dequant_fp4_weight, dequant_fp8_weight
     from inference.tools import gpu_check
+
+    def stand_in(f):                       # the torch function, taking the wrappers' build setting
+        return lambda *args, settings="default": f(*args)
+
     for name in ("act_quant", "fp8_qdq_", "fp4_qdq_e8m0_", "fp4_qdq_e4m3_", "hc_split_sinkhorn"):
-        monkeypatch.setattr(ops, name, getattr(ref, name))
-    monkeypatch.setattr(ops, "fp8_gemm", lambda x, w, s: fast.gemm(x, dequant_fp8_weight(w, s)))
-    monkeypatch.setattr(ops, "fp4_gemm", lambda x, w, s: fast.gemm(x, dequant_fp4_weight(w, s)))
-    monkeypatch.setattr(ops, "sparse_attn", fast.sparse_attn)
-    monkeypatch.setattr(ops, "index_scores", fast.index_scores)
+        monkeypatch.setattr(ops, name, stand_in(getattr(ref, name)))
+    monkeypatch.setattr(ops, "fp8_gemm", stand_in(lambda x, w, s: fast.gemm(x, dequant_fp8_weight(w, s))))
+    monkeypatch.setattr(ops, "fp4_gemm", stand_in(lambda x, w, s: fast.gemm(x, dequant_fp4_weight(w, s))))
+    monkeypatch.setattr(ops, "sparse_attn", stand_in(fast.sparse_attn))
+    monkeypatch.setattr(ops, "index_scores", stand_in(fast.index_scores))
     slow = ("M = 200", "[1, 64, 64")
     cases = [c for c in gpu_check.kernel_cases(released) if not any(t in c[1] for t in slow)]
     assert {c[0] for c in cases} == set(ops.FACTORIES)
@@ -289,8 +293,8 @@ def test_gpu_check_cases_accept_the_torch_path_and_catch_a_wrong_kernel(ops, rel
     def three_percent_high(x, w, s):
         return (fast.gemm(x, dequant_fp8_weight(w, s)).float() * 1.03).bfloat16()
 
-    monkeypatch.setattr(ops, "act_quant", one_byte_off)
-    monkeypatch.setattr(ops, "fp8_gemm", three_percent_high)
+    monkeypatch.setattr(ops, "act_quant", stand_in(one_byte_off))
+    monkeypatch.setattr(ops, "fp8_gemm", stand_in(three_percent_high))
     picked = [next(c for c in cases if c[0] == n) for n in ("act_quant", "fp8_gemm")]
     assert [run(gen)[0] for _, _, run in picked] == [False, False]
 

@@ -118,5 +118,5 @@ def numerics_for(opts: RuntimeOptions, device) -> Numerics:
     path = route(opts, device)
     if path == "tilelang":
         from .tilelang_ops import TileLang     # compiles kernels on first use: only when the route is taken
-        return TileLang(opts.golden, device)
+        return TileLang(opts.golden, device, opts.kernel_build)
     return {"exact": Exact, "fast": Fast, "invariant": Invariant}[path](opts.golden, device)

@@ -221,7 +221,7 @@ def block_scaled_gemm_kernel(n: int, k: int, weight_format: str = "fp8", config:
     def block_scaled_gemm(A: T.Tensor((m, k), E4M3), SA: T.Tensor((m, k // gb), FP32),
                           W: T.Tensor(w_shape, w_dtype), WS: T.Tensor(ws_shape, U8),
                           C: T.Tensor((m, n), BF16)):
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(m, bm), T.ceildiv(n, bn), threads=threads) as (by, bx):   # rows on x
             a_tile = T.alloc_shared((bm, bk), E4M3)
             w_tile = T.alloc_shared((bn, bk), E4M3)
             packed = T.alloc_shared((bn, bk // 2), U8)
@@ -268,7 +268,8 @@ def sparse_attn_kernel(h: int, d: int, scale: float, head_block: int = 64, threa
     def sparse_attn_sink(Q: T.Tensor((b_, m_, h, d), BF16), KV: T.Tensor((b_, n_, d), BF16),
                          Sink: T.Tensor((h,), FP32), Idx: T.Tensor((b_, m_, k_), I32),
                          O: T.Tensor((b_, m_, h, d), BF16)):
-        with T.Kernel(T.ceildiv(h, hb), m_, b_, threads=threads) as (hx, mi, bz):
+        # query rows on x: y and z are capped at 65,535 blocks
+        with T.Kernel(m_, T.ceildiv(h, hb), b_, threads=threads) as (mi, hx, bz):
             q_tile = T.alloc_shared((hb, d), BF16)
             kv_tile = T.alloc_shared((bi, d), BF16)
             p_tile = T.alloc_shared((hb, bi), BF16)
@@ -287,8 +288,9 @@ def sparse_attn_kernel(h: int, d: int, scale: float, head_block: int = 64, threa
             T.fill(den, 0)
             T.fill(mx, -1e30)
             for c in T.serial(T.ceildiv(k_, bi)):
-                for j in T.Parallel(bi):
-                    rows[j] = T.if_then_else(c * bi + j < k_, Idx[bz, mi, c * bi + j], -1)
+                for j in T.Parallel(bi):    # past the list's end, or an index outside [0, N): no entry
+                    rows[j] = T.if_then_else(c * bi + j < k_, T.if_then_else(
+                        Idx[bz, mi, c * bi + j] < n_, Idx[bz, mi, c * bi + j], -1), -1)
                 for j, e in T.Parallel(bi, d):   # gather; a missing entry reads row 0 and gets p = 0
                     kv_tile[j, e] = KV[bz, T.max(rows[j], 0), e]
                 T.gemm(q_tile, kv_tile, s, transpose_B=True, clear_accum=True,
@@ -400,7 +402,7 @@ def index_scores_kernel(h: int, d: int, block_t: int = 128, threads: int = 128):
     @T.prim_func
     def index_scores(Q: T.Tensor((b_, s_, h, d), BF16), Kc: T.Tensor((b_, t_, d), BF16),
                      W: T.Tensor((b_, s_, h), BF16), O: T.Tensor((b_, s_, t_), BF16)):
-        with T.Kernel(T.ceildiv(t_, bt), s_, b_, threads=threads) as (tx, si, bz):
+        with T.Kernel(s_, T.ceildiv(t_, bt), b_, threads=threads) as (si, tx, bz):   # queries on x
             k_tile = T.alloc_shared((bt, d), BF16)
             q_tile = T.alloc_shared((h, d), BF16)
             dots = T.alloc_fragment((bt, h), FP32)
@@ -438,12 +440,32 @@ FACTORIES = {
 }
 
 
+# How TileLang lowers the kernels, chosen in one place (RuntimeOptions.kernel_build, --kernel-build).
+# "default": TileLang's own passes; every GEMM gets a TMA producer warpgroup with mbarriers, and the FP4 GEMM
+# unpacks its nibbles inside that pipeline. "plain": warp specialization and TMA lowering off, the settings
+# DeepSeek's own TileLang kernels use. The device check builds "default" and rebuilds a GEMM that fails or
+# mismatches with "plain", reporting which one passed.
+SETTINGS = {
+    "default": {},
+    "plain": {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+              tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True},
+}
+
+
+def _settings(name: str) -> str:
+    if name not in SETTINGS:
+        raise ValueError(f"unknown kernel build {name!r} (expected one of {', '.join(SETTINGS)})")
+    return name
+
+
 @dataclasses.dataclass(frozen=True)
 class Build:
-    """One kernel at fixed sizes: `shapes` says where it is used, `args` are FACTORIES[name]'s arguments."""
+    """One kernel at fixed sizes: `shapes` says where it is used, `args` are FACTORIES[name]'s arguments,
+    `settings` a key of SETTINGS."""
     name: str
     shapes: str = dataclasses.field(compare=False)   # a label: builds with equal (name, args) are one
     args: tuple = ()
+    settings: str = "default"
 
     def prim_func(self):
         return FACTORIES[self.name](*self.args)
@@ -460,16 +482,17 @@ def nvcc_path():
     return path if os.path.isfile(path) else None
 
 
-def compile_kernel(prim_func, target="auto"):
-    """Lower and compile one prim_func. `target`: "auto" (the current GPU) or a dict such as
-    {"kind": "cuda", "arch": "sm_90a"}, which needs no GPU."""
-    return tilelang.compile(prim_func, target=target)
+def compile_kernel(prim_func, target="auto", settings: str = "default"):
+    """Lower and compile one prim_func with SETTINGS[settings]. `target`: "auto" (the current GPU) or a dict
+    such as {"kind": "cuda", "arch": "sm_90a"}, which needs no GPU."""
+    return tilelang.compile(prim_func, target=target, pass_configs=dict(SETTINGS[_settings(settings)]))
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str, *args):
-    """The kernel FACTORIES[name](*args) compiled for the current device, once per process."""
-    return compile_kernel(FACTORIES[name](*args))
+def _compiled(settings: str, name: str, *args):
+    """The kernel FACTORIES[name](*args) compiled with SETTINGS[settings] for the current device, once per
+    process."""
+    return compile_kernel(FACTORIES[name](*args), settings=settings)
 
 
 def precompile(builds, workers: int = 0):
@@ -480,7 +503,7 @@ def precompile(builds, workers: int = 0):
 
     def one(b: Build):
         try:
-            _compiled(b.name, *b.args)
+            _compiled(b.settings, b.name, *b.args)
         except Exception as e:   # collected and reported by the caller
             failed[b] = f"{type(e).__name__}: {str(e).strip()[-300:]}"
 
@@ -489,20 +512,20 @@ def precompile(builds, workers: int = 0):
     return failed
 
 
-def gemm_builds(weight_format: str, n: int, k: int, label: str):
-    return [Build(f"{weight_format}_gemm", f"{label} [{n}, {k}] {config}", (n, k, config))
+def gemm_builds(weight_format: str, n: int, k: int, label: str, settings: str = "default"):
+    return [Build(f"{weight_format}_gemm", f"{label} [{n}, {k}] {config}", (n, k, config), settings)
             for config in GEMM_CONFIGS]
 
 
-def builds(cfg: dict, world_size: int = 1):
-    """Every kernel at a model config's shapes (a dict of config.json keys), in the order the compile CLI
-    runs them. Row counts (tokens, batch, list lengths) are symbolic; the GEMMs come in both tile
-    configurations (decode: up to 64 rows, prefill: more) for the attention projections, the indexer, the
-    shared and a routed expert."""
+def builds(cfg: dict, world_size: int = 1, settings: str = "default"):
+    """Every kernel at a model config's shapes (a dict of config.json keys) on one of `world_size` ranks, in
+    the order the compile CLI runs them. Row counts (tokens, batch, list lengths) are symbolic; the GEMMs
+    come in both tile configurations (decode: up to 64 rows, prefill: more) for the attention projections,
+    the indexer, the shared and a routed expert; index scores at the padded head count (index_heads)."""
     w = world_size
     dim, hd, q_lora = cfg["dim"], cfg["head_dim"], cfg["q_lora_rank"]
     o_in, inter = cfg["o_groups"] * cfg["o_lora_rank"] // w, cfg["moe_inter_dim"]
-    ihd, ih, heads = cfg["index_head_dim"], cfg["index_n_heads"] // w, cfg["n_heads"] // w
+    ihd, ih, heads = cfg["index_head_dim"], index_heads(cfg["index_n_heads"] // w), cfg["n_heads"] // w
     out = [Build("act_quant", f"x [M, {k}] block {block}", (k, block, BF16))
            for k, block in dict.fromkeys([(dim, 32), (q_lora, 32), (o_in, 32), (inter, 32), (dim, 128)])]
     out += [Build("fp8_qdq_", f"kv [M, {hd}] block 32", (hd, 32, BF16)),
@@ -521,11 +544,91 @@ def builds(cfg: dict, world_size: int = 1):
             Build("hc_split_sinkhorn", f"mixes [R, {(2 + hc) * hc}], {iters} iterations",
                   (hc, iters, float(cfg["hc_eps"]))),
             Build("index_scores", f"q [B, S, {ih}, {ihd}], keys [B, T, {ihd}]", (ih, ihd))]
-    return out
+    return [dataclasses.replace(b, settings=_settings(settings)) for b in out]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Wrappers: the torch references' signatures. Checks run before any compilation or launch.
+#
+# Launch limits. CUDA caps a grid's y and z at 65,535 blocks, so every kernel puts its unbounded size (rows,
+# queries) on x (2^31 - 1) and only head blocks, key blocks and the batch on y and z. TileLang indexes a
+# buffer of symbolic size with int32 arithmetic, so no tensor of one launch may reach 2^31 elements: a call
+# beyond that is cut into launches over batch items and row ranges (each slice still contiguous), the same
+# numbers since every kernel's rows are independent. `launch_grid` reads a kernel's grid for given sizes.
+
+MAX_GRID = (2 ** 31 - 1, 65535, 65535)     # blocks on x, y, z
+MAX_ELEMS = 2 ** 31 - 1                    # elements of any one tensor in one launch (int32 indexing)
+INDEX_HEAD_MULTIPLE = 8                    # the index-score MMA's head (column) count is a multiple of 8
+
+
+def index_heads(h: int) -> int:
+    """The head count the index-score kernel runs for h heads: h rounded up to a multiple of 8."""
+    return -(-h // INDEX_HEAD_MULTIPLE) * INDEX_HEAD_MULTIPLE
+
+
+def pad_index_heads(q: torch.Tensor, w: torch.Tensor):
+    """q [B, S, H, D], w [B, S, H] -> the same with H padded by zero heads to index_heads(H). A zero head
+    adds ReLU(bf16(0 . k)) * 0 = +0 to each score's fp32 head sum, which leaves every sum's bits unchanged:
+    the scores are those of the unpadded heads (tests/test_kernels_compile.py checks it on the torch
+    route). 4 heads per rank at W = 8 on the released config, 2 at W = 16."""
+    h = q.shape[2]
+    extra = index_heads(h) - h
+    if not extra:
+        return q, w
+    return torch.nn.functional.pad(q, (0, 0, 0, extra)), torch.nn.functional.pad(w, (0, extra))
+
+
+def launch_grid(prim_func, *tensors) -> tuple:
+    """The (x, y, z) blocks a kernel launches for these arguments (its parameters in order), read from the
+    prim_func's thread bindings with its symbolic sizes bound to the tensors' shapes; no GPU needed."""
+    from tvm import arith, tirx
+    values = {}
+    for param, t in zip(prim_func.params, tensors):
+        for dim, size in zip(prim_func.buffer_map[param].shape, t.shape):
+            if isinstance(dim, tirx.Var):
+                values[dim] = tirx.IntImm(dim.dtype, int(size))
+    extents = {}
+
+    def visit(node):
+        if isinstance(node, tirx.For) and node.thread_binding is not None:
+            extents[node.thread_binding.thread_tag] = node.extent
+
+    tirx.stmt_functor.post_order_visit(prim_func.body, visit)
+    ana = arith.Analyzer()
+    return tuple(int(ana.simplify(tirx.stmt_functor.substitute(extents[f"blockIdx.{a}"], values)))
+                 if f"blockIdx.{a}" in extents else 1 for a in "xyz")
+
+
+def _spans(total: int, per_unit: int, fn: str, what: str):
+    """Consecutive slices of range(total), each of at most MAX_ELEMS // per_unit units."""
+    step = MAX_ELEMS // max(1, per_unit)
+    if step < 1:
+        raise ValueError(f"{fn}: one {what} has {per_unit} elements, over the kernels' limit {MAX_ELEMS}")
+    return [slice(i, min(total, i + step)) for i in range(0, total, step)]
+
+
+def _launch_rows(kernel, row_major, fixed=()):
+    """kernel(*row_major sliced along dim 0, *fixed) once, or over row ranges when a launch's tensors would
+    reach MAX_ELEMS elements. row_major: contiguous tensors sharing dim 0; fixed: passed whole."""
+    per_row = max(t[0].numel() if t.shape[0] else 0 for t in row_major)
+    for r in _spans(row_major[0].shape[0], per_row, "kernel", "row"):
+        kernel(*(t[r] for t in row_major), *fixed)
+
+
+def _launch_batched(fn: str, call, rows, fixed, out):
+    """call(rows, fixed, out) for a kernel over [B, M, ...]: rows (tensors [B, M, ...]) and out are cut along
+    B and M, fixed (tensors [B, N, ...]) only along B. One launch when every tensor fits; else one batch item
+    at a time (unsqueezed, so that each slice has a contiguous tensor's strides), its rows in ranges."""
+    if max(t.numel() for t in (*rows, *fixed, out)) <= MAX_ELEMS:
+        call(rows, fixed, out)
+        return
+    _spans(1, max(t[0].numel() for t in fixed), fn, "batch item's keys")   # raises when one is too large
+    per_row = max(t[0, 0].numel() for t in (*rows, out))
+    for i in range(out.shape[0]):
+        for r in _spans(out.shape[1], per_row, fn, "row"):
+            call([t[i, r].unsqueeze(0) for t in rows], [t[i].unsqueeze(0) for t in fixed],
+                 out[i, r].unsqueeze(0))
+
 
 def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
@@ -560,39 +663,40 @@ def _rows_input(fn: str, x, block: int):
     return x.view(-1, x.shape[-1]), _TORCH_TO_TL[x.dtype]
 
 
-def act_quant(x: torch.Tensor, block: int = 32):
+def act_quant(x: torch.Tensor, block: int = 32, settings: str = "default"):
     """(q float8_e4m3fn [..., K], s fp32 [..., K/block]) with power-of-two scales."""
     x2, dt = _rows_input("act_quant", x, block)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _compiled("act_quant", x2.shape[1], block, dt)(x2, q.view(x2.shape), s.view(x2.shape[0], -1))
+        _launch_rows(_compiled(_settings(settings), "act_quant", x2.shape[1], block, dt),
+                     (x2, q.view(x2.shape), s.view(x2.shape[0], -1)))
     return q, s
 
 
-def _in_place(name: str, x: torch.Tensor, block: int) -> torch.Tensor:
+def _in_place(name: str, x: torch.Tensor, block: int, settings: str) -> torch.Tensor:
     x2, dt = _rows_input(name, x, block)
     if x2.shape[0]:
-        _compiled(name, x2.shape[1], block, dt)(x2)
+        _launch_rows(_compiled(_settings(settings), name, x2.shape[1], block, dt), (x2,))
     return x
 
 
-def fp8_qdq_(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp8_qdq_(x: torch.Tensor, block: int = 32, settings: str = "default") -> torch.Tensor:
     """In place: x <- e4m3(x / s) * s per block (window KV)."""
-    return _in_place("fp8_qdq_", x, block)
+    return _in_place("fp8_qdq_", x, block, settings)
 
 
-def fp4_qdq_e8m0_(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp4_qdq_e8m0_(x: torch.Tensor, block: int = 32, settings: str = "default") -> torch.Tensor:
     """In place: FP4 fake-quant with power-of-two scales per block (indexer queries and keys)."""
-    return _in_place("fp4_qdq_e8m0_", x, block)
+    return _in_place("fp4_qdq_e8m0_", x, block, settings)
 
 
-def fp4_qdq_e4m3_(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+def fp4_qdq_e4m3_(x: torch.Tensor, block: int = 16, settings: str = "default") -> torch.Tensor:
     """In place: FP4 fake-quant with E4M3 scales per block (compressed KV latents)."""
-    return _in_place("fp4_qdq_e4m3_", x, block)
+    return _in_place("fp4_qdq_e4m3_", x, block, settings)
 
 
-def _gemm(fn: str, x, weight, scale, fp4: bool) -> torch.Tensor:
+def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
     _expect(_is(x, torch.bfloat16, torch.float32) and x.dim() >= 1 and x.shape[-1] % GEMM_BLOCK == 0, fn, "x",
             "bfloat16 or float32 [..., K] with K a multiple of 32", x)
     k = x.shape[-1]
@@ -610,30 +714,33 @@ def _gemm(fn: str, x, weight, scale, fp4: bool) -> torch.Tensor:
             f"float8_e8m0fnu {list(want_scale)}", scale)
     _expect(n % 16 == 0, fn, "weight", "[N, ...] with N a multiple of 16", weight)
     _placed(fn, x=x, weight=weight, scale=scale)
-    q, s = act_quant(x, GEMM_BLOCK)
+    q, s = act_quant(x, GEMM_BLOCK, settings)
     m = q.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m:
         w = weight.view(torch.uint8) if fp4 else weight
-        _compiled(fn, n, k, gemm_config(m))(q.view(m, k), s.view(m, -1), w, scale.view(torch.uint8),
-                                                   out.view(m, n))
+        _launch_rows(_compiled(_settings(settings), fn, n, k, gemm_config(m)),
+                     (q.view(m, k), s.view(m, -1)), (w, scale.view(torch.uint8), out.view(m, n)))
     return out
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             settings: str = "default") -> torch.Tensor:
     """act_quant(x) times an E4M3 weight [N, K] with UE8M0 32x32 block scales -> bf16 [..., N]."""
-    return _gemm("fp8_gemm", x, weight, scale, fp4=False)
+    return _gemm("fp8_gemm", x, weight, scale, False, settings)
 
 
-def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             settings: str = "default") -> torch.Tensor:
     """act_quant(x) times an MXFP4 weight [N, K/2] with UE8M0 per-row scales [N, K/32] -> bf16 [..., N]."""
-    return _gemm("fp4_gemm", x, weight, scale, fp4=True)
+    return _gemm("fp4_gemm", x, weight, scale, True, settings)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                q_block: int = 64) -> torch.Tensor:
+                q_block: int = 64, settings: str = "default") -> torch.Tensor:
     """q [B, M, H, D] bf16, kv [B, N, D] bf16, sink [H] fp32, idx [B, M, K] int32 (-1 = none) -> bf16
-    [B, M, H, D]. `q_block` (the reference's memory bound) is accepted and unused."""
+    [B, M, H, D]. An index outside [0, N) counts as -1 (the kernel never reads past kv; the torch routes
+    raise on it). `q_block` (the reference's memory bound) is accepted and unused."""
     fn = "sparse_attn"
     _expect(_is(q, torch.bfloat16) and q.dim() == 4 and q.shape[-1] % 64 == 0, fn, "q",
             "bfloat16 [B, M, H, D] with D a multiple of 64", q)
@@ -646,14 +753,17 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     _placed(fn, q=q, kv=kv, sink=sink, idx=idx)
     out = torch.empty_like(q)
     if b and m:
-        _compiled(fn, h, d, float(scale))(q, kv, sink, idx, out)
+        kernel = _compiled(_settings(settings), fn, h, d, float(scale))
+        _launch_batched(fn, lambda r, f, o: kernel(r[0], f[0], sink, r[1], o), (q, idx), (kv,), out)
     return out
 
 
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                      eps: float):
+                      eps: float, settings: str = "default"):
     """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (fp32)."""
     fn, nm = "hc_split_sinkhorn", (2 + hc) * hc
+    if not (isinstance(iters, int) and iters >= 1):
+        raise ValueError(f"{fn}: iters must be an int >= 1, got {iters!r}")
     _expect(_is(mixes, torch.float32) and mixes.dim() >= 1 and mixes.shape[-1] == nm, fn, "mixes",
             f"float32 [..., {nm}]", mixes)
     _expect(_is(scale, torch.float32) and tuple(scale.shape) == (3,), fn, "scale", "float32 [3]", scale)
@@ -665,18 +775,20 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     comb = torch.empty(*lead, hc, hc, dtype=torch.float32, device=mixes.device)
     r = mixes.numel() // nm
     if r:
-        _compiled(fn, hc, iters, float(eps))(mixes.view(r, nm), scale, base, pre.view(r, hc),
-                                             post.view(r, hc), comb.view(r, hc, hc))
+        kernel = _compiled(_settings(settings), fn, hc, iters, float(eps))
+        _launch_rows(lambda m, p, o, c: kernel(m, scale, base, p, o, c),
+                     (mixes.view(r, nm), pre.view(r, hc), post.view(r, hc), comb.view(r, hc, hc)))
     return pre, post, comb
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                 max_elems: int = 1 << 26) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, max_elems: int = 1 << 26,
+                 settings: str = "default") -> torch.Tensor:
     """sum_h ReLU(q_h . k) * w_h in bf16 (the indexer's head-weighted scores): q [B, S, H, D], keys
-    [B, T, D], w [B, S, H], all bf16 -> [B, S, T] bf16. `max_elems` (the reference's chunking) is unused."""
+    [B, T, D], w [B, S, H], all bf16 -> [B, S, T] bf16. H of at most 256 heads is padded with zero heads to
+    a multiple of 8 (pad_index_heads: the same bits). `max_elems` (the reference's chunking) is unused."""
     fn = "index_scores"
-    _expect(_is(q, torch.bfloat16) and q.dim() == 4 and q.shape[2] % 8 == 0, fn, "q",
-            "bfloat16 [B, S, H, D] with H a multiple of 8", q)
+    _expect(_is(q, torch.bfloat16) and q.dim() == 4 and 0 < q.shape[2] <= 256, fn, "q",
+            "bfloat16 [B, S, H, D] with 1 <= H <= 256", q)
     b, s, h, d = q.shape
     _expect(_is(keys, torch.bfloat16) and keys.dim() == 3 and keys.shape[0] == b and keys.shape[2] == d, fn,
             "keys", f"bfloat16 [{b}, T, {d}]", keys)
@@ -684,17 +796,19 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
     _placed(fn, q=q, keys=keys, w=w)
     out = torch.empty(b, s, keys.shape[1], dtype=torch.bfloat16, device=q.device)
     if out.numel():
-        _compiled(fn, h, d)(q, keys, w, out)
+        q, w = pad_index_heads(q, w)
+        kernel = _compiled(_settings(settings), fn, q.shape[2], d)
+        _launch_batched(fn, lambda r, f, o: kernel(r[0], f[0], r[1], o), (q, w), (keys,), out)
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The TileLang route behind the numerics interface
 
-def _in_place_any(kernel, x: torch.Tensor, block: int) -> torch.Tensor:
+def _in_place_any(kernel, x: torch.Tensor, block: int, settings: str) -> torch.Tensor:
     """Run an in-place kernel (contiguous operands only) on any x, writing the result into x."""
     y = x if x.is_contiguous() else x.contiguous()
-    kernel(y, block)
+    kernel(y, block, settings)
     return x if y is x else x.copy_(y)
 
 
@@ -702,32 +816,42 @@ class TileLang(Fast):
     """The fused kernels above for the quantisers, the FP8/FP4 GEMMs, sparse attention, Sinkhorn and the index
     scores; everything else as the fast order computes it (a prefill's experts loop over the active ones, each
     GEMM a kernel; a decode step indexes the stacked experts with fixed shapes, no host sync). Reference
-    rounding points only (golden numerics run the torch kernels)."""
+    rounding points only (golden numerics run the torch kernels). `settings`: how the kernels are built (a
+    key of SETTINGS)."""
 
     name = "tilelang"
 
+    def __init__(self, golden: bool = False, device="cpu", settings: str = "default"):
+        super().__init__(golden, device)
+        self.settings = _settings(settings)
+
+    def __repr__(self) -> str:
+        return f"TileLang(golden={self.golden}, device={self.device}, settings={self.settings!r})"
+
     def quant_linear(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()                # [M, K]
-        y = (fp8_gemm if layer.kind == "fp8" else fp4_gemm)(x2, layer.weight, layer.scale)
+        gemm = fp8_gemm if layer.kind == "fp8" else fp4_gemm
+        y = gemm(x2, layer.weight, layer.scale, settings=self.settings)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def sparse_attn(self, q, kv, sink, idx, scale):
-        return sparse_attn(q.contiguous(), kv.contiguous(), sink, idx.contiguous(), scale)
+        return sparse_attn(q.contiguous(), kv.contiguous(), sink, idx.contiguous(), scale,
+                           settings=self.settings)
 
     def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
-        return hc_split_sinkhorn(mixes.contiguous(), scale, base, hc, iters, eps)
+        return hc_split_sinkhorn(mixes.contiguous(), scale, base, hc, iters, eps, settings=self.settings)
 
     def local_index_scores(self, q, keys, w):
-        return index_scores(q.contiguous(), keys.contiguous(), w.contiguous())
+        return index_scores(q.contiguous(), keys.contiguous(), w.contiguous(), settings=self.settings)
 
     def act_quant(self, x, block=32):
-        return act_quant(x.contiguous(), block)
+        return act_quant(x.contiguous(), block, self.settings)
 
     def _fp8_qdq_(self, x, block):
-        return _in_place_any(fp8_qdq_, x, block)
+        return _in_place_any(fp8_qdq_, x, block, self.settings)
 
     def _fp4_qdq_e8m0_(self, x, block):
-        return _in_place_any(fp4_qdq_e8m0_, x, block)
+        return _in_place_any(fp4_qdq_e8m0_, x, block, self.settings)
 
     def _fp4_qdq_e4m3_(self, x, block):
-        return _in_place_any(fp4_qdq_e4m3_, x, block)
+        return _in_place_any(fp4_qdq_e4m3_, x, block, self.settings)

@@ -110,6 +110,7 @@ def bench_context(model, context: int, steps: int, gen: torch.Generator):
     """-> (prefill tokens/s, decode ms/step, Engram bytes moved per decode step)."""
     model.reset()
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen)
+    ids = ids.to(model.ctx.device)
     _, t_prefill = timed(lambda: model(ids[:, :context], 0))
     moved = engram_bytes_moved(model)
     times = []
@@ -127,6 +128,7 @@ def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: i
     from torch.profiler import profile
     model.reset()
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps + 2), generator=gen)
+    ids = ids.to(model.ctx.device)
     model(ids[:, :context], 0)
     model(ids[:, context:context + 1], context)                      # warm: what a step derives once
     with profile() as prof:
