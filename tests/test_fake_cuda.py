@@ -137,11 +137,51 @@ def tokenizers(tmp_path_factory):
     return {"fixture": load_tokenizer(FIXTURE), "released": load_tokenizer(str(d))}
 
 
-def build(args, tokenizer, numerics="reference", **opts):
+def build(args, tokenizer, numerics="reference", par=None, **opts):
     from inference.config import RuntimeOptions
     from inference.model import Transformer
     o = RuntimeOptions.from_profile(numerics, **{"kernel_backend": "torch", **opts})
-    return Transformer(args, opts=o, device="cuda", tokenizer=tokenizer)
+    return Transformer(args, par=par, opts=o, device="cuda", tokenizer=tokenizer)
+
+
+def one_rank_of(world_size: int):
+    """Rank 0 of `world_size` ranks, run alone: its collectives return rank 0's own share (all-gather: W
+    copies of it), so the rank's slice of the model runs a forward with every shape a real rank 0 has."""
+    from inference.parallel import ParallelContext
+
+    class OneRankOf(ParallelContext):
+        def all_reduce(self, x):
+            return x
+
+        def all_gather_cat(self, x, dim=-1):
+            return torch.cat([x] * self.world_size, dim=dim)
+
+        def broadcast_object(self, obj, src=0):
+            return obj
+
+        def barrier(self):
+            pass
+
+    return OneRankOf(world_size, 0, None)
+
+
+def factory_checked_stub(calls=None):
+    """A stand-in for tilelang_ops._compiled: the kernel's factory runs (its argument checks, a prim_func at
+    these sizes), the kernel does not; `calls` collects (settings, name, args, prim_func, tensors)."""
+    from inference.kernels import tilelang_ops as ops
+    made = {}
+
+    def compiled(settings, name, *args):
+        ops._settings(settings)
+        key = (name, args)
+        if key not in made:
+            made[key] = ops.FACTORIES[name](*args)
+
+        def kernel(*tensors):
+            if calls is not None:
+                calls.append((settings, name, args, made[key], tensors))
+        return kernel
+    return compiled
 
 
 def run_phases(rec, model, prompt=24, batch=2):
@@ -270,7 +310,7 @@ def test_tilelang_wrappers_check_their_arguments_on_fake_cuda(monkeypatch):
     """The wrappers' checks (dtype, shape, contiguity, device) on fake CUDA tensors of the shapes the model
     passes, with the compiled kernels stubbed; wrong arguments are named in one line."""
     from inference.kernels import tilelang_ops as ops
-    monkeypatch.setattr(ops, "_compiled", lambda *a: (lambda *tensors: None))
+    monkeypatch.setattr(ops, "_compiled", factory_checked_stub())
     with fake_cuda(monkeypatch):
         x = torch.zeros(3, 256, dtype=torch.bfloat16, device="cuda")
         q, s = ops.act_quant(x)
@@ -302,20 +342,25 @@ def test_tilelang_wrappers_check_their_arguments_on_fake_cuda(monkeypatch):
                 bad()
 
 
-@pytest.mark.parametrize("shape", ["fixture", "released"])
-def test_the_tilelang_route_passes_its_wrappers_checks(shape, tokenizers, monkeypatch):
-    """A model on the TileLang route (the GPU taken as compute capability 9.0, the kernels stubbed): every
-    call the model makes passes the wrappers' checks (dtypes, shapes, contiguity, devices), in a prefill, a
-    decode step and an extend; and the route adds no host sync to a decode step either."""
+# The fixture's o_groups = 2 admits W = 1 and 2 only; the released config W = 1, 2, 4 and 8.
+@pytest.mark.parametrize("shape,world", [("fixture", 1), ("fixture", 2), ("released", 1), ("released", 2),
+                                         ("released", 4), ("released", 8)])
+def test_the_tilelang_route_passes_its_wrappers_checks(shape, world, tokenizers, monkeypatch):
+    """A model on the TileLang route (the GPU taken as compute capability 9.0, the kernels stubbed, their
+    factories run) as rank 0 of `world`: every call the model makes passes the wrappers' checks (dtypes,
+    shapes, contiguity, devices) and the kernel factories accept its sizes (index scores at W = 8: 4 heads,
+    padded to 8), in a prefill, a decode step and an extend; and the route adds no host sync to a decode step
+    either."""
     from inference import kernels
     from inference.kernels import tilelang_ops as ops
     monkeypatch.setattr(kernels, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kernels, "_tilelang_imports", lambda: True)
-    monkeypatch.setattr(ops, "_compiled", lambda *a: (lambda *tensors: None))
+    calls = []
+    monkeypatch.setattr(ops, "_compiled", factory_checked_stub(calls))
     with fake_cuda(monkeypatch) as rec:
         args = fixture_shaped() if shape == "fixture" else released_two_layers()
-        model = build(args, tokenizers[shape], kernel_backend="auto")
+        model = build(args, tokenizers[shape], kernel_backend="auto", par=one_rank_of(world))
         assert type(model.nx).__name__ == "TileLang"
         ids = torch.randint(4, 1000, (2, 30), device="cuda")
         rec.syncs.clear()
@@ -327,6 +372,41 @@ def test_the_tilelang_route_passes_its_wrappers_checks(shape, tokenizers, monkey
         model(ids[:, 25:28], 25, all_logits=True)
     assert rec.syncs["prefill"] == LOOPED      # the experts loop over their active ones (each GEMM a kernel)
     assert not rec.syncs["decode"] and not rec.syncs["extend"]      # fixed-shape experts, as the fast order
+    heads = {args[0] for _, name, args, _, _ in calls if name == "index_scores"}
+    assert heads == {ops.index_heads(model.args.index_n_heads // world)}, heads
+    # every kernel was called but the routed experts' GEMM: a prefill's expert loop finds none active under
+    # the stand-in bincount, and a decode step runs the fast order's stacked experts
+    assert {name for _, name, _, _, _ in calls} == set(ops.FACTORIES) - {"fp4_gemm"}
+
+
+def test_launches_stay_within_the_grid_and_int32_limits(monkeypatch):
+    """More than 65,535 query rows in one call (CUDA's cap on a grid's y and z) and, past that, tensors of
+    2^31 elements or more (TileLang's int32 indexing): every launch's grid, read from the kernel's prim_func
+    at the call's sizes, and every tensor it receives stay within the limits, and the launches cover every
+    row once."""
+    from inference.kernels import tilelang_ops as ops
+    calls = []
+    monkeypatch.setattr(ops, "_compiled", factory_checked_stub(calls))
+    with fake_cuda(monkeypatch):
+        c = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="cuda")
+        for b, m, n in ((1, 70_000, 4_096), (2, 70_000, 4_096), (3, 40_000, 600_000)):
+            ops.sparse_attn(c(b, m, 64, 512), c(b, n, 512), c(64, dtype=torch.float32),
+                            c(b, m, 640, dtype=torch.int32), 0.04)
+            ops.index_scores(c(b, m, 4, 128), c(b, n // 2, 128), c(b, m, 4))
+        ops.fp8_gemm(c(5_000_000, 512), c(2048, 512, dtype=torch.float8_e4m3fn),
+                     c(64, 16, dtype=torch.float8_e8m0fnu))
+    seen = {}
+    for _, name, _, prim_func, tensors in calls:
+        grid = ops.launch_grid(prim_func, *tensors)
+        assert all(g <= limit for g, limit in zip(grid, ops.MAX_GRID)), (name, grid)
+        assert max(t.numel() for t in tensors) <= ops.MAX_ELEMS, (name, [t.shape for t in tensors])
+        if name in ("sparse_attn", "index_scores"):
+            rows = seen.setdefault((name, tensors[0].shape[2]), [])
+            rows.append(tensors[-1].shape[0] * tensors[-1].shape[1])
+    assert any(len(r) > 1 for r in seen.values())          # a call was cut into launches
+    # each (kernel, head count) call above: launches' rows add up to b * m
+    assert sorted(sum(r) for r in seen.values()) == sorted(
+        [70_000 + 140_000 + 120_000] * 2), seen
 
 
 def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers, monkeypatch):
@@ -347,3 +427,25 @@ def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers
             counts[p] = rec.ops
     assert not rec.syncs["graphed step"]
     assert counts[40] == counts[42] and counts[41] == counts[43], counts
+
+
+def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatch, tmp_path):
+    """What the device check runs in its own process on the GPU, on fake CUDA: the bench phase's timed
+    prefill and decode steps (its token ids must reach the model's device: the Engram lookup mixes them with
+    CUDA tables) and the cudagraph phase's model and steps (the captured step run eagerly, as in the
+    rehearsal: no graph on fake tensors; the checkpoint's values are not loaded: fake tensors hold none)."""
+    from inference.engine import checkpoint
+    from inference.tools import gpu_check
+
+    class OnFakeCuda(gpu_check.Ctx):
+        device = property(lambda self: "cuda")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda model, path: None)
+    monkeypatch.setattr(torch, "equal", lambda a, b: True)          # fake logits have no values to compare
+    monkeypatch.setattr(gpu_check, "REHEARSAL_CUDAGRAPH", (31, 2))   # across the 32 bucket, both parities
+
+    with fake_cuda(monkeypatch):
+        model = build(fixture_shaped(), tokenizers["fixture"])
+        gpu_check._bench_model(model, "torch", gpu_check.Clock(600), steps=2, shapes=((1, 16), (2, 8)))
+        ctx = OnFakeCuda({}, FIXTURE, str(tmp_path), gpu_check.Clock(600), rehearse=True)
+        gpu_check.phase_cudagraph(ctx)

@@ -305,3 +305,97 @@ def test_gpu_check_without_cuda_prints_one_line_and_exits_2():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stdout == "gpu-check needs CUDA: no CUDA device is visible\n" and p.stderr == ""
+
+
+# ---- sizes the kernels meet: world sizes, head padding, launch limits --------------------------------------
+
+# A call far past CUDA's grid caps: 1M query rows (the released context) in one call, a batch of 8.
+BIG = {"M": 1 << 20, "S": 1 << 20, "R": 8 << 20, "B": 8, "N": (1 << 20) + 128, "T": 1 << 19, "K": 2688}
+
+
+def _fixture_config():
+    with open(os.path.join(ROOT, "tests", "fixtures", "reference-tiny", "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("which,world", [("released", 1), ("released", 2), ("released", 4), ("released", 8),
+                                         ("released", 16), ("fixture", 1), ("fixture", 2)])
+def test_every_build_at_every_world_size_stays_within_the_grid(ops, released, which, world):
+    """Every kernel a rank of `world` builds (the released config up to W = 16 index heads: 2 per rank,
+    padded to 8; the fixture's o_groups = 2 admits W = 1, 2) is made by its factory, and its grid at a call of
+    a million query rows keeps y and z within CUDA's 65,535 blocks (rows ride on x)."""
+    cfg = released if which == "released" else _fixture_config()
+    for b in ops.builds(cfg, world):
+        f = b.prim_func()
+        shapes = [[int(d) if not hasattr(d, "name") else BIG[d.name] for d in f.buffer_map[p].shape]
+                  for p in f.params]
+        grid = ops.launch_grid(f, *(torch.empty(s, device="meta") for s in shapes))
+        assert all(g <= limit for g, limit in zip(grid, ops.MAX_GRID)), (b.name, b.shapes, grid)
+
+
+def test_index_scores_padded_heads_are_the_same_bits(ops):
+    """Zero heads (zero queries, zero weights) add +0 to every score's head sum: the torch routes give the
+    padded head counts the tilelang wrapper launches (1..7 -> 8, 12 -> 16) the same bits as the heads alone."""
+    from inference.kernels import fast, reference as ref
+    gen = torch.Generator().manual_seed(0)
+    for h in (1, 2, 3, 4, 5, 7, 12):
+        q = torch.randn(2, 19, h, 128, generator=gen).bfloat16()
+        keys = torch.randn(2, 300, 128, generator=gen).bfloat16()
+        w = (torch.randn(2, 19, h, generator=gen) / 8).bfloat16()
+        qp, wp = ops.pad_index_heads(q, w)
+        assert qp.shape[2] == ops.index_heads(h) and qp.shape[2] % 8 == 0
+        for route in (ref, fast):
+            a, b = route.index_scores(q, keys, w), route.index_scores(qp, keys, wp)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (route.__name__, h)
+
+
+def test_launches_cut_under_the_element_limit_give_the_same_numbers(ops, monkeypatch):
+    """With the element limit lowered, a call is cut over batch items and row ranges: each launch gets
+    contiguous slices under the limit, and the rows together are the whole call's numbers bit for bit."""
+    from inference.kernels import reference as ref
+    monkeypatch.setattr(ops, "MAX_ELEMS", 4000)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 50, 4, 64, generator=gen).bfloat16()
+    kv = torch.randn(3, 40, 64, generator=gen).bfloat16()
+    idx = torch.randint(-1, 40, (3, 50, 16), generator=gen, dtype=torch.int32)
+    sink = torch.randn(4, generator=gen)
+    launches = []
+
+    def attend(r, f, o):
+        launches.append([t.shape for t in (*r, *f, o)])
+        assert all(t.is_contiguous() and t.numel() <= 4000 for t in (*r, *f, o))
+        assert o.stride() == torch.empty(o.shape).stride()              # a dense tensor's strides
+        o.copy_(ref.sparse_attn(r[0], f[0], sink, r[1], 0.125))
+
+    out = torch.empty_like(q)
+    ops._launch_batched("sparse_attn", attend, (q, idx), (kv,), out)
+    assert len(launches) == 3 * 4 and torch.equal(out, ref.sparse_attn(q, kv, sink, idx, 0.125))
+
+    x = torch.randn(300, 64, generator=gen).bfloat16()
+    qx, sx = torch.empty(300, 64, dtype=torch.float8_e4m3fn), torch.empty(300, 2)
+    pieces = []
+
+    def quantise(xr, qr, sr):
+        pieces.append(xr.shape[0])
+        qr.copy_(ref.act_quant(xr)[0]), sr.copy_(ref.act_quant(xr)[1])
+
+    ops._launch_rows(quantise, x, qx, sx)
+    want_q, want_s = ref.act_quant(x)
+    assert pieces == [62] * 4 + [52] and torch.equal(qx.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(sx, want_s)
+    with pytest.raises(ValueError, match="one batch item's keys has 4096 elements"):
+        ops._launch_batched("sparse_attn", attend, (q, idx), (torch.empty(3, 64, 64).bfloat16(),), out)
+
+
+def test_kernel_build_settings_are_the_options_choices(ops):
+    """--kernel-build's choices are the kernels' SETTINGS; plain turns off warp specialization and TMA
+    lowering; an unknown one is one line."""
+    from inference.config import KERNEL_BUILDS, ConfigError, RuntimeOptions
+    assert set(KERNEL_BUILDS) == set(ops.SETTINGS)
+    assert ops.SETTINGS["plain"] == {ops.tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                                     ops.tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
+    assert {b.settings for b in ops.builds(_fixture_config(), settings="plain")} == {"plain"}
+    with pytest.raises(ConfigError, match="unknown kernel build 'tma'"):
+        RuntimeOptions.from_profile("reference", kernel_build="tma")
+    with pytest.raises(ValueError, match="unknown kernel build 'tma'"):
+        ops.act_quant(torch.zeros(2, 32, dtype=torch.bfloat16, device="meta"), settings="tma")

@@ -607,12 +607,12 @@ def _spans(total: int, per_unit: int, fn: str, what: str):
     return [slice(i, min(total, i + step)) for i in range(0, total, step)]
 
 
-def _launch_rows(kernel, row_major, fixed=()):
-    """kernel(*row_major sliced along dim 0, *fixed) once, or over row ranges when a launch's tensors would
-    reach MAX_ELEMS elements. row_major: contiguous tensors sharing dim 0; fixed: passed whole."""
+def _launch_rows(call, *row_major):
+    """call(*row_major) once, or over row ranges when a launch's tensors would pass MAX_ELEMS elements.
+    row_major: contiguous tensors sharing dim 0 (their slices along it stay contiguous)."""
     per_row = max(t[0].numel() if t.shape[0] else 0 for t in row_major)
     for r in _spans(row_major[0].shape[0], per_row, "kernel", "row"):
-        kernel(*(t[r] for t in row_major), *fixed)
+        call(*(t[r] for t in row_major))
 
 
 def _launch_batched(fn: str, call, rows, fixed, out):
@@ -665,19 +665,21 @@ def _rows_input(fn: str, x, block: int):
 
 def act_quant(x: torch.Tensor, block: int = 32, settings: str = "default"):
     """(q float8_e4m3fn [..., K], s fp32 [..., K/block]) with power-of-two scales."""
+    _settings(settings)
     x2, dt = _rows_input("act_quant", x, block)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(*x.shape[:-1], x.shape[-1] // block, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _launch_rows(_compiled(_settings(settings), "act_quant", x2.shape[1], block, dt),
-                     (x2, q.view(x2.shape), s.view(x2.shape[0], -1)))
+        _launch_rows(_compiled(settings, "act_quant", x2.shape[1], block, dt),
+                     x2, q.view(x2.shape), s.view(x2.shape[0], -1))
     return q, s
 
 
 def _in_place(name: str, x: torch.Tensor, block: int, settings: str) -> torch.Tensor:
+    _settings(settings)
     x2, dt = _rows_input(name, x, block)
     if x2.shape[0]:
-        _launch_rows(_compiled(_settings(settings), name, x2.shape[1], block, dt), (x2,))
+        _launch_rows(_compiled(settings, name, x2.shape[1], block, dt), x2)
     return x
 
 
@@ -697,6 +699,7 @@ def fp4_qdq_e4m3_(x: torch.Tensor, block: int = 16, settings: str = "default") -
 
 
 def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
+    _settings(settings)
     _expect(_is(x, torch.bfloat16, torch.float32) and x.dim() >= 1 and x.shape[-1] % GEMM_BLOCK == 0, fn, "x",
             "bfloat16 or float32 [..., K] with K a multiple of 32", x)
     k = x.shape[-1]
@@ -718,9 +721,9 @@ def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
     m = q.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m:
-        w = weight.view(torch.uint8) if fp4 else weight
-        _launch_rows(_compiled(_settings(settings), fn, n, k, gemm_config(m)),
-                     (q.view(m, k), s.view(m, -1)), (w, scale.view(torch.uint8), out.view(m, n)))
+        w, ws = weight.view(torch.uint8) if fp4 else weight, scale.view(torch.uint8)
+        kernel = _compiled(settings, fn, n, k, gemm_config(m))
+        _launch_rows(lambda a, sa, c: kernel(a, sa, w, ws, c), q.view(m, k), s.view(m, -1), out.view(m, n))
     return out
 
 
@@ -741,6 +744,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     """q [B, M, H, D] bf16, kv [B, N, D] bf16, sink [H] fp32, idx [B, M, K] int32 (-1 = none) -> bf16
     [B, M, H, D]. An index outside [0, N) counts as -1 (the kernel never reads past kv; the torch routes
     raise on it). `q_block` (the reference's memory bound) is accepted and unused."""
+    _settings(settings)
     fn = "sparse_attn"
     _expect(_is(q, torch.bfloat16) and q.dim() == 4 and q.shape[-1] % 64 == 0, fn, "q",
             "bfloat16 [B, M, H, D] with D a multiple of 64", q)
@@ -753,7 +757,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     _placed(fn, q=q, kv=kv, sink=sink, idx=idx)
     out = torch.empty_like(q)
     if b and m:
-        kernel = _compiled(_settings(settings), fn, h, d, float(scale))
+        kernel = _compiled(settings, fn, h, d, float(scale))
         _launch_batched(fn, lambda r, f, o: kernel(r[0], f[0], sink, r[1], o), (q, idx), (kv,), out)
     return out
 
@@ -761,6 +765,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                       eps: float, settings: str = "default"):
     """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc] (fp32)."""
+    _settings(settings)
     fn, nm = "hc_split_sinkhorn", (2 + hc) * hc
     if not (isinstance(iters, int) and iters >= 1):
         raise ValueError(f"{fn}: iters must be an int >= 1, got {iters!r}")
@@ -775,9 +780,9 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     comb = torch.empty(*lead, hc, hc, dtype=torch.float32, device=mixes.device)
     r = mixes.numel() // nm
     if r:
-        kernel = _compiled(_settings(settings), fn, hc, iters, float(eps))
+        kernel = _compiled(settings, fn, hc, iters, float(eps))
         _launch_rows(lambda m, p, o, c: kernel(m, scale, base, p, o, c),
-                     (mixes.view(r, nm), pre.view(r, hc), post.view(r, hc), comb.view(r, hc, hc)))
+                     mixes.view(r, nm), pre.view(r, hc), post.view(r, hc), comb.view(r, hc, hc))
     return pre, post, comb
 
 
@@ -786,6 +791,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, max_elems
     """sum_h ReLU(q_h . k) * w_h in bf16 (the indexer's head-weighted scores): q [B, S, H, D], keys
     [B, T, D], w [B, S, H], all bf16 -> [B, S, T] bf16. H of at most 256 heads is padded with zero heads to
     a multiple of 8 (pad_index_heads: the same bits). `max_elems` (the reference's chunking) is unused."""
+    _settings(settings)
     fn = "index_scores"
     _expect(_is(q, torch.bfloat16) and q.dim() == 4 and 0 < q.shape[2] <= 256, fn, "q",
             "bfloat16 [B, S, H, D] with 1 <= H <= 256", q)
@@ -797,7 +803,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, max_elems
     out = torch.empty(b, s, keys.shape[1], dtype=torch.bfloat16, device=q.device)
     if out.numel():
         q, w = pad_index_heads(q, w)
-        kernel = _compiled(_settings(settings), fn, q.shape[2], d)
+        kernel = _compiled(settings, fn, q.shape[2], d)
         _launch_batched(fn, lambda r, f, o: kernel(r[0], f[0], r[1], o), (q, w), (keys,), out)
     return out
 

@@ -840,7 +840,8 @@ def phase_cudagraph(ctx: Ctx) -> bool:
                     out = graphs(ids[:, p:p + 1], p)[1]
                 elif graphed:                                 # the rehearsal: the captured step, eagerly
                     length = bucket(p, args.max_seq_len, minimum=32)
-                    out = model(ids[:, p:p + 1], step=DecodeStep(torch.tensor(p), p % 2, length))[1]
+                    pos = torch.tensor(p, device=ctx.device)
+                    out = model(ids[:, p:p + 1], step=DecodeStep(pos, p % 2, length))[1]
                 else:
                     out = model(ids[:, p:p + 1], p)[1]
                 if torch.cuda.is_initialized():
