@@ -314,7 +314,8 @@ BIG = {"M": 1 << 20, "S": 1 << 20, "R": 8 << 20, "B": 8, "N": (1 << 20) + 128, "
 
 
 def _fixture_config():
-    with open(os.path.join(ROOT, "tests", "fixtures", "reference-tiny", "config.json"), encoding="utf-8") as f:
+    path = os.path.join(ROOT, "tests", "fixtures", "reference-tiny", "config.json")
+    with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -335,7 +336,8 @@ def test_every_build_at_every_world_size_stays_within_the_grid(ops, released, wh
 
 def test_index_scores_padded_heads_are_the_same_bits(ops):
     """Zero heads (zero queries, zero weights) add +0 to every score's head sum: the torch routes give the
-    padded head counts the tilelang wrapper launches (1..7 -> 8, 12 -> 16) the same bits as the heads alone."""
+    padded head counts the tilelang wrapper launches (1..7 -> 8, 12 -> 16) the same bits as the heads
+    alone."""
     from inference.kernels import fast, reference as ref
     gen = torch.Generator().manual_seed(0)
     for h in (1, 2, 3, 4, 5, 7, 12):
