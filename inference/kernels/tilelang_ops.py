@@ -3,28 +3,36 @@
 Each public function below has the signature and return convention of its torch reference (act_quant,
 fp8_qdq_, fp4_qdq_e8m0_, fp4_qdq_e4m3_, the FP8/FP4 block-scaled GEMM, sparse_attn, hc_split_sinkhorn and
 the indexer's head-weighted scores), so the TileLang numerics (the class at the end) can swap one for the
-other. Arguments are checked (dtype and shape first, then contiguity, then device) before anything is
-compiled or launched.
+other. Arguments are checked (the build settings, dtype and shape first, then contiguity, then device)
+before anything is compiled or launched; the factories check their sizes again.
 
 Every kernel comes from a factory taking explicit sizes and returning a `T.prim_func`; batch-like sizes are
 symbolic (`T.dynamic`), so one compiled kernel serves every row count. `compile_kernel(prim_func, target)`
 builds one for an explicit target (no GPU needed); the wrappers compile for the current device on first use
-and keep the result in `_compiled`, a `functools.lru_cache` keyed by the factory arguments: the only state.
+and keep the result in `_compiled`, a `functools.lru_cache` keyed by the build settings (SETTINGS) and the
+factory arguments: the only state. Rows ride on the grid's x axis, and a call whose tensors would reach 2^31
+elements is cut into several launches (the wrappers' section says why).
 
-How each kernel follows the reference, by construction (they compile without a GPU; only
-inference/tools/gpu_check.py runs them, on one, against the torch references):
+How each kernel follows the reference, by construction (inference/tools/gpu_check.py runs them on a GPU
+against the torch references; first run on an H200: docs/benchmarks.md §5):
 * Quantisers: same operations in the same order (power-of-two scales from the exponent bits, IEEE division,
-  saturating round-to-nearest-even E4M3 casts, the E2M1 tie table, signed zeros kept).
-* GEMMs: per 32-wide K block one tensor-core MMA into a fresh fp32 tile (the tensor core's summation order
-  inside a block), scaled by the two power-of-two scales (exact) and added to an fp32 accumulator in
-  increasing K order; no split-K, so that order holds; bf16 output.
+  saturating round-to-nearest-even E4M3 casts, the E2M1 tie table, signed zeros kept). Bit for bit on the
+  H200.
+* GEMMs: per 32-wide K block one tensor-core MMA into a fresh fp32 tile, scaled by the two power-of-two
+  scales (exact) and added to an fp32 accumulator in increasing K order; no split-K, so that order holds;
+  bf16 output. What is exact: each E4M3 x E4M3 product (and E2M1 x E4M3), the rescale, the order of the
+  blocks. What is not: the sum of a block's 32 products inside the MMA. Hopper's FP8 MMA keeps about 14 bits
+  of the partial sum (the DeepSeek-V3 report's "increasing accumulation precision"), not fp32's 24, so a
+  block's sum can differ from the torch route's fp32 sum by an ulp of that width. Measured on an H200 at the released shapes: 1.3 to 2.7 % of the
+  bf16 outputs differ from the torch route's, within the device check's tolerance (1/128 relative).
 * Sparse attention: 64-entry chunks in list order, online softmax with the -1e30 floor, P rounded to bf16
   before P.V, sink only in the denominator. The q.k dot products and P.V use tensor-core order, and P.V is
   accumulated into the running sum by the MMA itself: fp32-ulp differences, rarely one bf16 ulp.
 * Sinkhorn: one thread per token, every multiply-add written as separately rounded IEEE operations (no FMA
   contraction), sums in index order; exp comes from the CUDA math library.
 * Index scores: q.k by tensor core, rounded to bf16, ReLU, times the head weight rounded to bf16, summed over
-  heads in fp32 and rounded once to bf16.
+  heads in fp32 and rounded once to bf16. The MMA takes a multiple of 8 heads: fewer (4 per rank at W = 8)
+  are padded with zero heads, which add +0 to each sum (pad_index_heads). Bit for bit on the H200.
 """
 import concurrent.futures
 import dataclasses
