@@ -23,8 +23,9 @@ against the torch references; first run on an H200: docs/benchmarks.md §5):
   bf16 output. What is exact: each E4M3 x E4M3 product (and E2M1 x E4M3), the rescale, the order of the
   blocks. What is not: the sum of a block's 32 products inside the MMA. Hopper's FP8 MMA keeps about 14 bits
   of the partial sum (the DeepSeek-V3 report's "increasing accumulation precision"), not fp32's 24, so a
-  block's sum can differ from the torch route's fp32 sum by an ulp of that width. Measured on an H200 at the released shapes: 1.3 to 2.7 % of the
-  bf16 outputs differ from the torch route's, within the device check's tolerance (1/128 relative).
+  block's sum can differ from the torch route's fp32 sum by an ulp of that width. Measured on an H200 at the
+  released shapes: 1.3 to 2.7 % of the bf16 outputs differ from the torch route's, within the device
+  check's tolerance (1/128 relative).
 * Sparse attention: 64-entry chunks in list order, online softmax with the -1e30 floor, P rounded to bf16
   before P.V, sink only in the denominator. The q.k dot products and P.V use tensor-core order, and P.V is
   accumulated into the running sum by the MMA itself: fp32-ulp differences, rarely one bf16 ulp.

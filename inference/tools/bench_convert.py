@@ -21,7 +21,7 @@ from inference.config import ModelArgs
 from inference.safetensors_io import tensor_nbytes
 from inference.tools.synthetic import hf_tensor_specs, write_synthetic_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
 
 
 def layer_roles(n_layers: int, n_mtp_layers: int) -> dict:
