@@ -1,6 +1,7 @@
 """Convert the Hugging Face checkpoint of DeepSeek-V4.1-Flash into `model{rank}-mp{W}.safetensors` files.
 
     python convert.py --hf-ckpt-path HF --save-path OUT --model-parallel W [--expert-dtype fp4|fp8]
+    python convert.py --verify OUT          # every converted file against the checksums recorded
 
 Rules: the names, the split table and the recasts are the table below (RULES, with DROP_PREFIX, SKIP and
 RENAMES); docs/checkpoint.md §2-3 and docs/cli.md §3 explain them. The output bytes equal those of the
@@ -9,10 +10,12 @@ without metadata.
 
 Unlike the official tool this one streams: it plans every output tensor from the shard headers alone,
 checks that the checkpoint is complete before writing anything, then writes each rank's file tensor by
-tensor (raw byte ranges are copied by the kernel; tensors that need arithmetic are processed in row
-chunks), so memory stays within --max-buffer whatever the checkpoint size. Each file is written under
+tensor (raw byte ranges are copied in pieces, hashed on the way; tensors that need arithmetic are processed
+in row chunks), so memory stays within --max-buffer whatever the checkpoint size. Each file is written under
 `<name>.partial`, fsynced and renamed; a small manifest (`.convert-mp{W}.json`) records finished ranks
-so that a rerun after an interruption verifies and skips them.
+with the sha256 of every tensor's bytes, hashed as they are written, so that a rerun after an interruption
+skips them once their data is verified (a damaged file is named and rewritten), and `--verify` can check the
+output at any time.
 """
 import argparse
 import hashlib
@@ -30,8 +33,9 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from inference.safetensors_io import (CopyRange, SafetensorsError, StreamWriter, build_header, read_header,
-                                      tensor_nbytes)
+from inference.safetensors_io import (CHECKSUM, CHECKSUM_KEY, CopyRange, SafetensorsError, StreamWriter,
+                                      build_header, check_recorded, find_damaged, manifest_path, read_header,
+                                      read_manifest, tensor_nbytes)
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -551,10 +555,11 @@ def _fingerprint(plan: Plan) -> str:
 
 
 class Manifest:
-    """`.convert-mp{W}.json`: source fingerprint and the ranks finished from it."""
+    """`.convert-mp{W}.json`: source fingerprint and the ranks finished from it, each with its size, header
+    hash and the CHECKSUM of every tensor (safetensors_io.manifest_path describes the entries)."""
 
     def __init__(self, save_path: str, plan: Plan):
-        self.path = os.path.join(save_path, f".convert-mp{plan.world}.json")
+        self.path = manifest_path(save_path, plan.world)
         self.fingerprint = _fingerprint(plan)
         self.lock = threading.Lock()
         self.ranks: Dict[str, dict] = {}
@@ -570,7 +575,8 @@ class Manifest:
         path = os.path.join(save_path, plan.rank_file(rank))
         header, size = plan.header(rank), plan.rank_bytes(rank)
         entry = self.ranks.get(str(rank))
-        if not entry or entry != {"size": size, "header_sha256": hashlib.sha256(header).hexdigest()}:
+        if not isinstance(entry, dict) or (entry.get("size"), entry.get("header_sha256")) != \
+                (size, hashlib.sha256(header).hexdigest()):
             return False
         try:
             if os.path.getsize(path) != size:
@@ -580,10 +586,15 @@ class Manifest:
         except OSError:
             return False
 
-    def mark_done(self, plan: Plan, rank: int) -> None:
+    def checksums(self, rank: int) -> Optional[Dict[str, str]]:
+        """The tensor checksums recorded for a finished rank (None: finished before they were recorded)."""
+        return self.ranks[str(rank)].get(CHECKSUM_KEY)
+
+    def mark_done(self, plan: Plan, rank: int, digests: Dict[str, str]) -> None:
         with self.lock:
             self.ranks[str(rank)] = {"size": plan.rank_bytes(rank),
-                                     "header_sha256": hashlib.sha256(plan.header(rank)).hexdigest()}
+                                     "header_sha256": hashlib.sha256(plan.header(rank)).hexdigest(),
+                                     CHECKSUM_KEY: digests}
             self.save()
 
     def save(self) -> None:
@@ -595,11 +606,94 @@ class Manifest:
         os.replace(tmp, self.path)
 
 
+def _byte_bar(total: int, desc: str, progress: Optional[bool]):
+    """A progress bar over bytes (progress None: shown on a terminal) and a thread-safe advance(n) for it."""
+    from tqdm import tqdm
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+               disable=(not progress) if progress is not None else None, smoothing=0.1)
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            bar.update(n)
+
+    return bar, advance
+
+
+def _verify_done(plan: Plan, save_path: str, manifest: Optional[Manifest], ranks: List[int], workers: int,
+                 progress: Optional[bool], log: Callable[[str], None]) -> List[int]:
+    """Hash the data of the finished files a rerun would skip (a progress bar over their bytes). -> the ranks
+    whose data no longer matches the checksums recorded as it was written: each is named in the log, and
+    rewritten, since the manifest shows the file is this conversion's and the source is at hand."""
+    ranks = [r for r in ranks if manifest.checksums(r) is not None]
+    if not ranks:
+        return []
+    bar, advance = _byte_bar(sum(plan.rank_bytes(r) - len(plan.header(r)) for r in ranks),
+                             f"verify mp{plan.world}", progress)
+    damaged = []
+    try:
+        for r in ranks:
+            path = os.path.join(save_path, plan.rank_file(r))
+            name = find_damaged(path, manifest.checksums(r), workers, advance)
+            if name is not None:
+                log(f"rank {r}: tensor {name} in {path} does not match the {CHECKSUM} recorded when it was "
+                    f"written (damaged on disk): rewriting the file")
+                damaged.append(r)
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+    finally:
+        bar.close()
+    return damaged
+
+
+def verify(ckpt_dir: str, workers: Optional[int] = None, progress: Optional[bool] = None,
+           log: Callable[[str], None] = print) -> int:
+    """Check every converted file in ckpt_dir (of each world size there) against the checksums recorded
+    when it was written, with a progress bar. Raises ConvertError naming the first damaged tensor and its
+    file (or why nothing can be checked). -> the number of tensors checked."""
+    if not os.path.isdir(ckpt_dir):
+        raise ConvertError(f"checkpoint directory not found: {ckpt_dir}")
+    found: Dict[int, set] = {}
+    for f in os.listdir(ckpt_dir):
+        m = re.fullmatch(r"model(\d+)-mp(\d+)\.safetensors", f)
+        if m:
+            found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    if not found:
+        raise ConvertError(f"no model{{rank}}-mp{{W}}.safetensors files in {ckpt_dir}")
+    workers = max(1, workers or os.cpu_count() or 1)
+    try:
+        jobs = []
+        for world in sorted(found):
+            missing = [r for r in range(world) if r not in found[world]]
+            if missing:
+                raise ConvertError(f"{os.path.join(ckpt_dir, f'model{missing[0]}-mp{world}.safetensors')} is "
+                                   f"missing (an interrupted conversion? rerun convert.py)")
+            ranks = read_manifest(ckpt_dir, world)
+            jobs += [(world, r, ranks) for r in range(world)]
+        paths = [os.path.join(ckpt_dir, f"model{r}-mp{w}.safetensors") for w, r, _ in jobs]
+        total = sum(os.path.getsize(p) for p in paths)
+        data = sum(i.nbytes for p in paths for i in read_header(p)[0].values())
+        bar, advance = _byte_bar(data, f"verify {ckpt_dir}", progress)
+        n = 0
+        try:
+            for world, r, ranks in jobs:
+                n += check_recorded(ckpt_dir, world, r, ranks, workers, advance)
+        finally:
+            bar.close()
+    except SafetensorsError as e:
+        raise ConvertError(str(e)) from None
+    except OSError as e:
+        raise ConvertError(f"{e.filename or ckpt_dir}: cannot read: {e.strerror or e}") from None
+    log(f"verified {ckpt_dir}: {len(jobs)} file(s), {n} tensors, {_fmt(total)}: every tensor matches the "
+        f"{CHECKSUM} recorded when it was written")
+    return n
+
+
 def _write_rank(plan: Plan, rank: int, save_path: str, reader: Reader, budget: int,
                 progress: Callable[[int], None], pool: Optional[ThreadPoolExecutor]) -> StreamWriter:
     """Write every tensor of one rank; returns the writer, still to be closed (fsync + rename)."""
     w = StreamWriter(os.path.join(save_path, plan.rank_file(rank)),
-                     [(o.name, o.dtype, o.shape) for o in plan.ranks[rank]])
+                     [(o.name, o.dtype, o.shape) for o in plan.ranks[rank]], checksums=True)
     # Source order keeps the reads sequential; positional writes make the output order irrelevant.
     outs = sorted(plan.ranks[rank], key=lambda o: (o.src.file, o.src.offset))
 
@@ -693,7 +787,8 @@ def convert(hf_ckpt_path: str, save_path: str, model_parallel: int, expert_dtype
     sizes = [plan.rank_bytes(r) for r in range(world)]
 
     # Resume: a rank file recorded in the manifest for this source and these options, with the expected
-    # size and header, is finished. Any other existing rank file is not ours to overwrite without --force.
+    # size and header, is finished once its data matches the checksums recorded; one that does not is ours
+    # and is rewritten. Any other existing rank file is not ours to overwrite without --force.
     manifest = Manifest(save_path, plan) if os.path.isdir(save_path) else None
     done, clash = [], []
     for r in range(world):
@@ -702,11 +797,22 @@ def convert(hf_ckpt_path: str, save_path: str, model_parallel: int, expert_dtype
             done.append(r)
         elif os.path.exists(path) and not force:
             clash.append(r)
+    damaged = [] if dry_run else _verify_done(plan, save_path, manifest, done, workers, progress, log)
+    done = [r for r in done if r not in damaged]
+    unverified = [r for r in done if manifest.checksums(r) is None]
     todo = [r for r in range(world) if r not in done]
 
+    def state(r: int) -> str:
+        if r in unverified:
+            return f"done before {CHECKSUM}s were recorded: not verified, will skip"
+        if r in done:
+            return "done, will verify and skip" if dry_run else "done and verified, will skip"
+        if r in damaged:
+            return "damaged, will rewrite"
+        return "exists, needs --force" if r in clash else "to write"
+
     for r in range(world):
-        state = "done, will skip" if r in done else "exists, needs --force" if r in clash else "to write"
-        log(f"rank {r}: {plan.rank_file(r)}  {len(plan.ranks[r])} tensors  {_fmt(sizes[r])}  ({state})")
+        log(f"rank {r}: {plan.rank_file(r)}  {len(plan.ranks[r])} tensors  {_fmt(sizes[r])}  ({state(r)})")
     log(f"total {_fmt(sum(sizes))} in {world} file(s); {workers} worker(s); peak memory at most about "
         f"{_fmt(baseline + max_buffer)} (process {_fmt(baseline)} + buffer {_fmt(max_buffer)})")
     if dry_run:
@@ -715,6 +821,9 @@ def convert(hf_ckpt_path: str, save_path: str, model_parallel: int, expert_dtype
         path = os.path.join(save_path, plan.rank_file(clash[0]))
         raise ConvertError(f"{path} exists and is not a finished conversion of this source with these "
                            f"options; pass --force to overwrite")
+    if unverified:
+        log(f"note: {len(unverified)} file(s) were converted before {CHECKSUM}s were recorded and cannot be "
+            f"verified (--force rewrites them with checksums)")
     if not todo:
         log(f"all {world} rank file(s) already converted in {save_path}; nothing to do (--force rewrites)")
         _copy_tokenizer(tokenizer_path or hf_ckpt_path, save_path, log)
@@ -730,15 +839,7 @@ def convert(hf_ckpt_path: str, save_path: str, model_parallel: int, expert_dtype
     if need > free:
         log(f"warning: {_fmt(need)} to write but only {_fmt(free)} free in {save_path}")
 
-    from tqdm import tqdm
-    bar = tqdm(total=need, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert mp{world}",
-               disable=(not progress) if progress is not None else None, smoothing=0.1)
-    lock = threading.Lock()
-
-    def advance(n: int) -> None:
-        with lock:
-            bar.update(n)
-
+    bar, advance = _byte_bar(need, f"convert mp{world}", progress)
     reader = Reader(hf_ckpt_path, plan.files)
     budget = max(max_buffer // workers, 1 << 20)  # per tensor in flight
     pool = ThreadPoolExecutor(workers) if workers > 1 else None
@@ -750,7 +851,7 @@ def convert(hf_ckpt_path: str, save_path: str, model_parallel: int, expert_dtype
         except BaseException:
             writer.abort()
             raise
-        manifest.mark_done(plan, r)
+        manifest.mark_done(plan, r, writer.digests())
 
     try:
         # One rank at a time, so that an interruption loses at most the ranks in flight; the fsync of a
@@ -784,9 +885,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description="Convert the DeepSeek-V4.1-Flash HF checkpoint into "
                                              "model{rank}-mp{W}.safetensors files for W-way model "
                                              "parallelism.")
-    ap.add_argument("--hf-ckpt-path", required=True, help="HF checkpoint directory (*.safetensors + index)")
-    ap.add_argument("--save-path", required=True, help="output directory (created)")
-    ap.add_argument("--model-parallel", type=int, required=True, help="W, the number of output files (ranks)")
+    ap.add_argument("--hf-ckpt-path", help="HF checkpoint directory (*.safetensors + index)")
+    ap.add_argument("--save-path", help="output directory (created)")
+    ap.add_argument("--model-parallel", type=int, help="W, the number of output files (ranks)")
     ap.add_argument("--expert-dtype", choices=["fp4", "fp8"], default=None,
                     help="routed experts: fp4 (default) keeps MXFP4; fp8 recasts them losslessly to FP8 "
                          '(then set "expert_dtype": null in the inference config)')
@@ -799,7 +900,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="threads converting tensors in parallel (default: CPU count)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (tensors, bytes, memory) and exit")
     ap.add_argument("--force", action="store_true", help="overwrite existing output files")
+    ap.add_argument("--verify", metavar="CKPT", default=None,
+                    help="instead of converting: check every converted file in CKPT against the "
+                         f"{CHECKSUM}s recorded when it was written; names the first damaged tensor (exit 1)")
     a = ap.parse_args(argv)
+    if a.verify is not None:
+        try:
+            verify(a.verify, workers=a.workers)
+        except ConvertError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    missing = [flag for flag, v in (("--hf-ckpt-path", a.hf_ckpt_path), ("--save-path", a.save_path),
+                                    ("--model-parallel", a.model_parallel)) if v is None]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)} (or --verify CKPT)")
     try:
         convert(a.hf_ckpt_path, a.save_path, a.model_parallel, expert_dtype=a.expert_dtype,
                 tokenizer_path=a.tokenizer_path, max_buffer=parse_bytes(a.max_buffer), dry_run=a.dry_run,

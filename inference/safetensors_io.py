@@ -8,13 +8,19 @@ Format: 8-byte little-endian header length N, N bytes of JSON (padded with space
 then the data section. The JSON maps each name to {"dtype", "shape", "data_offsets"} (offsets relative to
 the data section). safetensors orders the data section itself: by dtype, in descending order of its
 internal dtype enum, then by name; `__metadata__` (if any) comes first in the JSON.
+
+Checksums: the writer can hash every tensor's bytes as it writes them; convert.py records them in its
+manifest (`.convert-mp{W}.json`, whose reading is here so that the engine and both CLIs share it), and
+`find_damaged` / `check_recorded` name the first tensor whose bytes no longer match.
 """
+import hashlib
 import json
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 # safetensors' dtype enum in declaration order; the data section is sorted by *descending* position.
 _DTYPE_ENUM = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
@@ -25,6 +31,11 @@ DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, 
               "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
               "C64": 64, "F64": 64, "I64": 64, "U64": 64}
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# Per-tensor checksum: the fastest stdlib hash measured (SHA-NI): one thread 2.0 GB/s (AMD EPYC) and 1.4 GB/s
+# (the H200 host's Xeon; 9.6 GB/s on 8 threads), against blake2b's 1.4 and 0.6 GB/s.
+CHECKSUM = "sha256"
+CHECKSUM_KEY = f"tensor_{CHECKSUM}"   # a manifest entry's {name: hex digest}
+_HASH_PIECE = 8 << 20   # bytes read per hash update
 
 
 class SafetensorsError(ValueError):
@@ -136,10 +147,12 @@ class StreamWriter:
     """Writes one safetensors file under `<path>.partial`, renamed on close().
 
     The header goes first; tensor data is written with positional writes, so tensors (or parts of them)
-    may arrive in any order and from several threads. close() checks that every byte was written."""
+    may arrive in any order and from several threads. close() checks that every byte was written.
+    checksums=True: each tensor's bytes are hashed (CHECKSUM) as they are written, which needs each tensor
+    written front to back (tensors still in any order); `digests()` gives them after close()."""
 
     def __init__(self, path: str, entries: Sequence[Tuple[str, str, Sequence[int]]],
-                 metadata: Optional[Dict[str, str]] = None):
+                 metadata: Optional[Dict[str, str]] = None, checksums: bool = False):
         self.path, self.tmp = path, path + ".partial"
         self.header, self.layout = build_header(entries, metadata)
         self.size = len(self.header) + sum(n for _, n in self.layout)
@@ -148,6 +161,7 @@ class StreamWriter:
             self._offsets[name] = (pos, nbytes)
             pos += nbytes
         self._written = dict.fromkeys(self._offsets, 0)
+        self._hashes = {name: hashlib.new(CHECKSUM) for name in self._offsets} if checksums else None
         self._lock = threading.Lock()
         self._copy_file_range = hasattr(os, "copy_file_range")
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -158,9 +172,11 @@ class StreamWriter:
             n = os.pwrite(self._fd, view, pos)
             view, pos = view[n:], pos + n
 
-    def _copy(self, c: CopyRange, pos: int) -> None:
+    def _copy(self, c: CopyRange, pos: int, h=None) -> None:
+        """Copy a byte range of another file to `pos`: in the kernel when possible, else through a buffer
+        (with a hash `h`, always: it sees the bytes on the way)."""
         src, left = c.offset, c.length
-        while left and self._copy_file_range:
+        while left and self._copy_file_range and h is None:
             try:
                 n = os.copy_file_range(c.fd, self._fd, left, src, pos)
             except OSError:  # e.g. not supported between these file systems: read and write instead
@@ -175,6 +191,8 @@ class StreamWriter:
             n = os.preadv(c.fd, [view], src)
             if n == 0:
                 raise SafetensorsError(f"source ended early while writing {self.path}")
+            if h is not None:
+                h.update(view[:n])
             self._pwrite(view[:n], pos)
             src, pos, left = src + n, pos + n, left - n
 
@@ -186,6 +204,10 @@ class StreamWriter:
     def write_tensor(self, name: str, chunks: Iterable[Chunk], offset: int = 0) -> int:
         """Write consecutive chunks of tensor `name` from `offset` bytes into it; returns the byte count."""
         start, nbytes = self._offsets[name]
+        h = None if self._hashes is None else self._hashes[name]
+        if h is not None and offset != self._written[name]:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} written out of order (checksums need each "
+                                   f"tensor written front to back)")
         pos = offset
         for c in chunks:
             if not isinstance(c, CopyRange):
@@ -194,8 +216,10 @@ class StreamWriter:
             if pos + n > nbytes:
                 raise SafetensorsError(f"{self.path}: write past the end of tensor {name!r}")
             if isinstance(c, CopyRange):
-                self._copy(c, start + pos)
+                self._copy(c, start + pos, h)
             else:
+                if h is not None:
+                    h.update(c)     # the very bytes written next: no re-reading
                 self._pwrite(c, start + pos)
             pos += n
         with self._lock:
@@ -212,6 +236,12 @@ class StreamWriter:
         self._fd = -1
         os.replace(self.tmp, self.path)
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def digests(self) -> Dict[str, str]:
+        """name -> hex CHECKSUM of its bytes (checksums=True; every tensor written: after close())."""
+        if self._hashes is None:
+            raise SafetensorsError(f"{self.path}: written without checksums")
+        return {name: h.hexdigest() for name, h in self._hashes.items()}
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -233,6 +263,116 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# Checksums: verifying a written file
+
+def find_damaged(path: str, expected: Dict[str, str], workers: int = 1,
+                 progress: Optional[Callable[[int], None]] = None) -> Optional[str]:
+    """The first tensor of the file (in data order) whose bytes do not hash to `expected[name]`, or None.
+    Tensors are hashed by `workers` threads (reads and hashlib release the GIL); a mismatch stops the rest.
+    `progress(n)` is called with the bytes read (from the worker threads)."""
+    tensors, _ = read_header(path)
+    if set(tensors) != set(expected):
+        other = sorted(set(tensors) ^ set(expected))[0]
+        raise SafetensorsError(f"{path}: its tensors are not the ones checksummed (e.g. {other!r})")
+    order = sorted(tensors, key=lambda n: tensors[n].offset)
+    stop, local = threading.Event(), threading.local()
+
+    def digest(name: str) -> str:
+        info, h = tensors[name], hashlib.new(CHECKSUM)
+        if not hasattr(local, "buf"):
+            local.buf = bytearray(_HASH_PIECE)
+        pos, left = info.offset, info.nbytes
+        while left and not stop.is_set():
+            view = memoryview(local.buf)[:min(left, _HASH_PIECE)]
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise SafetensorsError(f"{path}: ended early while verifying (truncated meanwhile?)")
+            h.update(view[:n])
+            pos, left = pos + n, left - n
+            if progress is not None:
+                progress(n)
+        return h.hexdigest()
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            futures = [pool.submit(digest, name) for name in order]
+            try:
+                for name, f in zip(order, futures):   # in data order: all before a mismatch were checked
+                    if f.result() != expected[name]:
+                        return name
+            finally:
+                stop.set()
+                for f in futures:
+                    f.cancel()
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    return None
+
+
+def manifest_path(ckpt_dir: str, world: int) -> str:
+    """convert.py's record of the finished `model{rank}-mp{world}` files: source fingerprint and, per rank,
+    {"size", "header_sha256", CHECKSUM_KEY: {name: hex digest}} (no CHECKSUM_KEY: converted before checksums
+    were recorded)."""
+    return os.path.join(ckpt_dir, f".convert-mp{world}.json")
+
+
+def read_manifest(ckpt_dir: str, world: int) -> dict:
+    """The ranks recorded in a converted checkpoint's manifest ({"0": entry, ...}); one-line errors."""
+    path = manifest_path(ckpt_dir, world)
+    if not os.path.isfile(path):
+        raise SafetensorsError(f"{ckpt_dir}: no {os.path.basename(path)}, so no checksums to verify the "
+                               f"mp{world} files against (not converted by this convert.py?)")
+    try:
+        with open(path) as f:
+            ranks = json.load(f)["ranks"]
+        if not isinstance(ranks, dict):
+            raise TypeError
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError):
+        raise SafetensorsError(f"{path}: corrupt conversion manifest (not the JSON convert.py writes)") \
+            from None
+    return ranks
+
+
+def check_recorded(ckpt_dir: str, world: int, rank: int, ranks: dict, workers: int = 1,
+                   progress: Optional[Callable[[int], None]] = None) -> int:
+    """Check `model{rank}-mp{world}.safetensors` against its entry in `ranks` (read_manifest): raises
+    SafetensorsError naming the file and the first damaged tensor. -> the number of tensors checked."""
+    name = f"model{rank}-mp{world}.safetensors"
+    path, manifest = os.path.join(ckpt_dir, name), manifest_path(ckpt_dir, world)
+    entry = ranks.get(str(rank))
+    if not isinstance(entry, dict):
+        raise SafetensorsError(f"{path}: not recorded as finished in {manifest} (an interrupted conversion? "
+                               f"rerun convert.py)")
+    if CHECKSUM_KEY not in entry:
+        raise SafetensorsError(f"{manifest}: written before convert.py recorded checksums, so {name} cannot "
+                               f"be verified (convert.py --force rewrites the files with them)")
+    if not isinstance(entry[CHECKSUM_KEY], dict):
+        raise SafetensorsError(f"{manifest}: corrupt conversion manifest (rank {rank}'s checksums)")
+    if not os.path.isfile(path):
+        raise SafetensorsError(f"{path}: missing (recorded in {manifest})")
+    read_header(path)   # a truncated file or a damaged header: its own one-line message
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        head = struct.pack("<Q", n) + f.read(n)
+    if (os.path.getsize(path) != entry.get("size")
+            or hashlib.sha256(head).hexdigest() != entry.get("header_sha256")):
+        raise SafetensorsError(f"{path}: header or size differs from the one recorded in {manifest} "
+                               f"(overwritten since the conversion?)")
+    damaged = find_damaged(path, entry[CHECKSUM_KEY], workers, progress)
+    if damaged is not None:
+        raise SafetensorsError(f"{path}: tensor {damaged} is damaged: its bytes do not match the {CHECKSUM} "
+                               f"recorded at conversion (rerun convert.py to rewrite the file)")
+    return len(entry[CHECKSUM_KEY])
 
 
 # torch helpers (torch is imported lazily: convert.py's copy path does not need it)

@@ -3,6 +3,7 @@ import glob
 import os
 import re
 import sys
+import threading
 from typing import Optional
 
 import torch
@@ -10,9 +11,10 @@ from safetensors import safe_open
 
 from ..kernels import drop_derived
 from ..model import Transformer
-from ..safetensors_io import read_header
+from ..safetensors_io import (CHECKSUM, SafetensorsError, check_recorded, read_header, read_manifest,
+                              tensor_entry)
 from .errors import InputError
-from .memory import STORED_AS_BF16 as _WIDEN, fix_hint, gib, plan_memory, verdict_line
+from .memory import STORED_AS_BF16 as _WIDEN, build_meta_model, fix_hint, gib, plan_memory, verdict_line
 
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
 _ALIAS = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
@@ -51,6 +53,113 @@ def check_checkpoint_dir(ckpt_dir: str, world_size: int, need_eos: bool = True) 
         if not os.path.isfile(path):
             raise CheckpointError(f"tokenizer file not found: {path} "
                                   f"(convert.py copies it with --tokenizer-path)")
+
+
+_WRONG = "wrong --config for this checkpoint?"
+
+
+def check_config_matches(ckpt_dir: str, args, world_size: int, language_model_only: bool = False) -> None:
+    """Before any memory plan or allocation: the tensors `args` implies (names, shapes, dtypes) against rank
+    0's shard header. Every rank reads the same file, so all stop alike, before any collective. A mismatch
+    is one line naming the config key where one decides (dim, vocab_size, n_layers, n_mtp_layers,
+    n_routed_experts, moe_inter_dim, vision_n_layers, expert_dtype), else the tensor, from a meta build of
+    rank 0's model."""
+    path = shard_path(ckpt_dir, 0, world_size)
+    file = os.path.basename(path)
+    try:
+        infos, _ = read_header(path)
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    w = world_size
+    per_rank = f" over {w} ranks" if w > 1 else ""
+
+    def stop(message: str):
+        raise CheckpointError(f"{message}: {_WRONG}")
+
+    emb = infos.get("embed.weight")
+    if emb is not None and len(emb.shape) == 2:
+        if emb.shape[1] != args.dim:
+            stop(f"config dim {args.dim} but embed.weight has {emb.shape[1]} columns")
+        if emb.shape[0] * w != args.vocab_size:
+            stop(f"config vocab_size {args.vocab_size} but embed.weight has {emb.shape[0]} rows{per_rank}")
+    counted = [("n_layers", "layers", "layers"), ("n_mtp_layers", "mtp", "DSpark stages")]
+    if not language_model_only:     # else the file's vision tower is ignored
+        counted.append(("vision_n_layers", "vision\\.blocks", "vision blocks"))
+    for key, prefix, what in counted:
+        held = {int(m.group(1)) for n in infos if (m := re.match(rf"{prefix}\.(\d+)\.", n))}
+        if max(held, default=-1) + 1 != getattr(args, key):
+            stop(f"config {key} {getattr(args, key)} but {file} holds {max(held, default=-1) + 1} {what}")
+    expert = re.compile(r"layers\.\d+\.ffn\.experts\.(\d+)\.")
+    experts = sorted((int(m.group(1)), n) for n in infos if (m := expert.match(n)))
+    if experts:     # rank 0 holds experts [0, E / W) of every layer
+        held = experts[-1][0] + 1
+        if held * w != args.n_routed_experts:
+            stop(f"config n_routed_experts {args.n_routed_experts} but {file} holds {held} experts per "
+                 f"layer{per_rank}")
+        w1 = next((n for _, n in experts if n.endswith(".w1.weight")), None)
+        if w1 is not None and infos[w1].shape[0] != args.moe_inter_dim:
+            stop(f"config moe_inter_dim {args.moe_inter_dim} but {w1} has {infos[w1].shape[0]} rows")
+    # Every other tensor: a model on the meta device has the exact names, shapes and dtypes, and no memory.
+    try:
+        model = build_meta_model(args, world_size, 0, language_model_only=language_model_only)
+    except ValueError as e:     # a module's own check of the config
+        raise CheckpointError(f"config: {e}") from None
+    params = dict(model.named_parameters())
+    keys = {n for n in infos if not (language_model_only and n.startswith(_VISION_PREFIXES))}
+    missing = [n for n in params if n not in keys]
+    if missing:
+        stop(f"config implies {missing[0]}, which {file} lacks ({len(missing)} such tensor(s))")
+    unexpected = sorted(n for n in keys if n not in params and not _ALIAS.match(n))
+    if unexpected:
+        stop(f"{file} holds {unexpected[0]}, which this config's model has no place for "
+             f"({len(unexpected)} such tensor(s))")
+    for name, p in params.items():
+        _, dtype, shape = tensor_entry(name, p)
+        info = infos[name]
+        if dtype == "F32" and info.dtype == "BF16" and _WIDEN.match(name):
+            dtype = "BF16"      # stored as bf16, widened when loaded
+        if (dtype, list(shape)) == (info.dtype, list(info.shape)):
+            continue
+        fix = {"F8_E4M3": '"expert_dtype": null', "F4": '"expert_dtype": "fp4"'}.get(info.dtype)
+        if ".experts." in name and dtype != info.dtype and fix:
+            stop(f"config expert_dtype {args.expert_dtype or 'null'} implies {name} {dtype} but {file} has "
+                 f"{info.dtype} (this checkpoint needs {fix})")
+        stop(f"config implies {name} {dtype} {list(shape)} but {file} has {info.dtype} {list(info.shape)}")
+
+
+def verify_checkpoint(ckpt_dir: str, par, log=print) -> None:
+    """generate.py --verify: each rank hashes its own shard against the checksums convert.py recorded (one
+    progress bar, rank 0's), then the ranks agree, so that every rank stops with the same one line naming the
+    first damaged file and tensor (or why nothing could be checked). Run before the model is built."""
+    world, rank = par.world_size, par.rank
+    path = shard_path(ckpt_dir, rank, world)
+    workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    problem, bar, lock = None, None, threading.Lock()
+
+    def advance(n: int) -> None:    # called from the hashing threads
+        with lock:
+            bar.update(n)
+
+    try:
+        ranks = read_manifest(ckpt_dir, world)
+        if rank == 0:
+            from tqdm import tqdm
+            data = sum(i.nbytes for i in read_header(path)[0].values())
+            bar = tqdm(total=data, unit="B", unit_scale=True, unit_divisor=1024,
+                       desc=f"verify {os.path.basename(path)}", file=sys.stderr, mininterval=1.0)
+        check_recorded(ckpt_dir, world, rank, ranks, workers, advance if bar is not None else None)
+    except SafetensorsError as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"{path}: cannot read: {e.strerror or e}"
+    finally:
+        if bar is not None:
+            bar.close()
+    problems = [par.broadcast_object(problem, src=r) for r in range(world)]
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+    log(f"verified {ckpt_dir}: {world} shard(s), every tensor matches the {CHECKSUM} recorded at conversion")
 
 
 def check_writable(path: str) -> None:
