@@ -9,7 +9,6 @@ all ranks make the same forward calls, and an error found on rank 0 alone stops 
 """
 import argparse
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -20,9 +19,11 @@ import torch
 from encoding import EncodingError, resolve_reasoning_effort
 from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
-from inference.engine.checkpoint import CheckpointError, check_checkpoint_dir, check_writable, load_model
+from inference.engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches,
+                                         check_writable, load_model, verify_checkpoint)
 from inference.engine.cuda_graph import GraphedDecode
 from inference.engine.errors import InputError
+from inference.engine.chat import chat
 from inference.engine.generation import Runner, SpecOptions
 from inference.engine.prefill import prefill_chunk_for
 from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn, read_batch_prompts,
@@ -64,62 +65,13 @@ def batch_mode(sess: Session, prompts: List[Prompt]) -> None:
                 sess.log.warning(c.warning)
 
 
-def read_command(sess: Session, messages: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Rank 0: read one line and turn it into a command for every rank."""
-    try:
-        line = input(">>> ")
-    except (EOFError, KeyboardInterrupt):   # Ctrl-D / Ctrl-C at the prompt end the session like /exit
-        sess.log.info()
-        return {"cmd": "exit"}
-    if line.strip() == "/exit":
-        return {"cmd": "exit"}
-    if line.strip() == "/clear":
-        messages.clear()
-        return {"cmd": "clear"}
-    o = sess.opts
-    try:
-        message, prompt = encode_turn(messages, line, sess.runner.tokenizer, sess.margs, o.thinking_mode,
-                                      o.reasoning_effort, not o.language_model_only)
-    except KNOWN_ERRORS as e:
-        sess.log.error(f"{e} (the message was not added; /clear starts a new conversation)")
-        return {"cmd": "skip"}
-    messages.append(message)
-    return {"cmd": "generate", "prompt": prompt}
-
-
 def interactive_mode(sess: Session) -> None:
-    par, messages = sess.par, []   # the conversation lives on rank 0
-    interrupted = []
-    if par.rank == 0:
-        # Ctrl-C while generating: finish this reply (the other ranks are inside collectives), then exit.
-        def on_sigint(signum, frame):
-            interrupted.append(True)
-            sess.log.info("\n(interrupted: exiting after this reply)")
-    else:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when everyone stops
-    while True:
-        command = par.broadcast_object(read_command(sess, messages) if par.rank == 0 else None)
-        if command["cmd"] == "exit":
-            break
-        if command["cmd"] == "clear":
-            sess.runner.model.reset()
-            continue
-        if command["cmd"] == "skip":
-            continue
-        prompt = command["prompt"]
-        old_handler = signal.signal(signal.SIGINT, on_sigint) if par.rank == 0 else None
-        try:
-            done = sess.runner.run([prompt], ["reply"], always_warn=True)[0]
-        finally:
-            if par.rank == 0:
-                signal.signal(signal.SIGINT, old_handler)
-        if par.rank == 0:
-            sess.log.info(done.text)
-            if done.warning:
-                sess.log.warning(done.warning)
-            messages.append(done.message)
-        if par.broadcast_object(bool(interrupted) if par.rank == 0 else None):
-            break
+    o = sess.opts
+
+    def encode(messages: List[Dict[str, Any]], line: str):
+        return encode_turn(messages, line, sess.runner.tokenizer, sess.margs, o.thinking_mode,
+                           o.reasoning_effort, not o.language_model_only)
+    chat(sess.runner, sess.par, sess.log, encode, KNOWN_ERRORS, torch.device(o.device))
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -130,7 +82,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--config", required=True, help="inference config.json (flat, reference key names)")
     add("--input-file", default="", help="batch input: a .json case file, or a text file of prompts "
         "separated by blank lines")
-    add("--interactive", action="store_true", help="chat REPL: /clear starts over; /exit quits")
+    add("--interactive", action="store_true", help="chat REPL: replies print as they are decoded; Ctrl-C "
+        "stops a reply; /clear starts over; /exit, Ctrl-C or Ctrl-D at the prompt quits")
     add("--max-new-tokens", type=int, default=200, help="completion budget per prompt (default 200)")
     add("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default 1.0)")
     add("--thinking-mode", choices=["chat", "thinking"], default="chat", help="a JSON case's own mode wins")
@@ -161,9 +114,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="cuda or cpu (default: cuda if available)")
     add("--threads", type=int, default=None,
         help="CPU threads per process (default: torch's; torchrun sets 1 per process when W > 1)")
+    add("--dist-timeout", type=float, default=60, help="minutes a collective waits for a slow peer (60)")
+    add("--join-timeout", type=float, default=300, help="seconds for every rank to reach MASTER_ADDR (300)")
     add("--output", default=None, help="also write one JSON record per prompt (interactive: per reply) to "
         "this .jsonl file (rank 0): prompt, completion, content, reasoning_content, tool_calls, "
-        "prompt_tokens, completion_tokens (EOS included), finish_reason (eos | length), parse_error")
+        "prompt_tokens, completion_tokens (EOS included), finish_reason (eos | length | interrupted: "
+        "Ctrl-C in chat), parse_error")
     add("--score", default=None, help='scoring mode (docs/cli.md 2.6): S.json = {"sequences": [[ids...] | '
         '{"messages": [...], "completion"?: "text", ...}, ...], "prefill_len"?: P, "images"?: [[paths] | null'
         ', ...]}; image spans end within P; teacher-forced along the generate loop; needs --dump-logits')
@@ -184,6 +140,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="drafts verified per step, 1..dspark_block_size (default: the block size, 5)")
     add("--spec-min-confidence", type=float, default=None,
         help="verify only the leading drafts whose sigmoid(confidence) >= this value (default: off)")
+    add("--verbose", action="store_true", help="also print the model settings (ModelArgs) at start")
+    add("--verify", action="store_true", help="before loading, check every tensor of the shards against the "
+        "sha256 convert.py recorded (each rank reads its shard once more; names the first damaged tensor)")
     return p.parse_args(argv)
 
 
@@ -198,6 +157,7 @@ def check_options(o: argparse.Namespace) -> None:
          "--score is a mode of its own: drop --interactive / --input-file"),
         (not score_mode and not o.interactive and not o.input_file,
          "Either input-file or interactive mode must be specified"),
+        (o.interactive and o.input_file, "--interactive and --input-file are two modes: give one"),
         (o.all_prefill_logits and not o.score, "--all-prefill-logits needs --score"),
         (o.dspark and not o.score,
          "--dspark needs --score (for speculative generation use --speculative dspark)"),
@@ -253,7 +213,7 @@ def init_runtime(o: argparse.Namespace, world_size: int) -> ParallelContext:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if o.threads:
         torch.set_num_threads(o.threads)
-    par = ParallelContext.from_env(o.device)
+    par = ParallelContext.from_env(o.device, o.dist_timeout, o.join_timeout)
     torch.manual_seed(o.seed)   # every rank: sampling relies on identical RNG streams (docs/numerics.md §11)
     return par
 
@@ -312,11 +272,15 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     sess = Session(Runner(None, tokenizer, o.max_new_tokens, eos_id, spec, rank=par.rank), margs, par, log, o)
     work = read_inputs(sess)
 
-    log.info(margs)
+    if o.verbose:
+        log.info(margs)
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        kernel_build=o.kernel_build,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
+    check_config_matches(o.ckpt_path, margs, world_size, o.language_model_only)   # before any memory plan
+    if o.verify:
+        verify_checkpoint(o.ckpt_path, par, log.info)
     sess.runner.prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
     sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
                                    log.info, offload=o.offload, dspark=o.dspark or spec is not None)
@@ -328,7 +292,9 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
         interactive_mode(sess)
     else:
         batch_mode(sess, work)
-    for line in sess.runner.finish(time.perf_counter() - start):    # timings, streaming, speculation
+    # timings (a chat's: the replies', not the time at the prompt), weight streaming, speculation
+    done = (sess.runner.busy_s, "generating") if o.interactive else (time.perf_counter() - start, "total")
+    for line in sess.runner.finish(*done):
         log.info(line)
 
 

@@ -1,7 +1,9 @@
 """The generate loop: prefill, decode step and the batched loop around them, as the official runtime runs
 them (prompts right-padded in one buffer; prefill up to the shortest prompt, then one position per step,
 longer prompts teacher-forced). Prefill and decode step are separate functions so each can be read and timed
-alone; `complete` runs a batch of prepared prompts, plainly or with DSpark speculative decoding."""
+alone; `complete` runs a batch of prepared prompts, plainly or with DSpark speculative decoding. A step hook
+(on_step) lets a caller see each step's tokens and end the loop: the chat (chat.py) prints its reply and
+stops on Ctrl-C that way."""
 import json
 import time
 from dataclasses import dataclass, field
@@ -51,17 +53,21 @@ def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Ca
     return out
 
 
+StepHook = Callable[[torch.Tensor], bool]   # the ids [B] just chosen -> stop now?
+
+
 @torch.inference_mode()
 def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id: int,
              prompt_token_types: Optional[List[List[int]]] = None, images: Optional[list] = None,
              stats: Optional[Stats] = None, prefill_chunk: Optional[int] = None,
-             graphs=None) -> Tuple[List[List[int]], List[str]]:
+             graphs=None, on_step: Optional[StepHook] = None) -> Tuple[List[List[int]], List[str]]:
     """Batched generation, prompts right-padded as in the official loop; the prefill in calls of at most
     `prefill_chunk` positions (None: one call); decode steps replayed from CUDA graphs with `graphs` (a
-    cuda_graph.GraphedDecode).
+    cuda_graph.GraphedDecode). `on_step(next_ids)` runs after every step on every rank (for printing and a
+    StopFlag); when it returns True the loop ends there.
 
     Returns per prompt the completion ids (EOS excluded, at most max_new_tokens) and the finish reason
-    ("eos" or "length").
+    ("eos", "length", or "interrupted" for a row that on_step stopped early).
     """
     stats = stats if stats is not None else Stats()
     args = model.args
@@ -78,7 +84,7 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
     in_prompt = tokens != -1
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
 
-    prev = 0
+    prev, stopped = 0, False
     for cur in range(shortest, total_len):
         if cur == shortest:
             next_ids, _, _ = _timed(stats, "prefill", bsz * cur, device, prefill, model, tokens[:, :cur],
@@ -92,10 +98,18 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
         tokens[:, cur] = next_ids
         finished |= ~in_prompt[:, cur] & (next_ids == eos_id)
         prev = cur
+        stop = on_step is not None and on_step(next_ids)   # every rank calls it at every step (a collective)
         if finished.all():
             break
+        if stop:
+            stopped = cur < total_len - 1
+            break
 
-    return read_completions(tokens, lens, max_new_tokens, eos_id)
+    completions, reasons = read_completions(tokens, lens, max_new_tokens, eos_id)
+    if stopped:
+        reasons = [r if r == "eos" or len(c) == max_new_tokens else "interrupted"
+                   for c, r in zip(completions, reasons)]
+    return completions, reasons
 
 
 
@@ -110,13 +124,16 @@ class SpecOptions:
 
 def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, stats: Stats,
              spec: Optional[SpecOptions] = None, spec_stats: Optional[SpecStats] = None,
-             prefill_chunk: Optional[int] = None, graphs=None) -> Tuple[List[List[int]], List[str]]:
+             prefill_chunk: Optional[int] = None, graphs=None,
+             on_step: Optional[StepHook] = None) -> Tuple[List[List[int]], List[str]]:
     """One batch of prepared prompts -> completion ids and finish reasons. Timings go to `stats`; with `spec`
-    the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`."""
+    the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`.
+    `on_step`: see generate(); the speculative loop has no such hook yet and never calls it."""
     types, images = vision_inputs(prompts)
     if spec is None:
         return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id, prompt_token_types=types,
-                        images=images, stats=stats, prefill_chunk=prefill_chunk, graphs=graphs)
+                        images=images, stats=stats, prefill_chunk=prefill_chunk, graphs=graphs,
+                        on_step=on_step)
     try:
         completions, reasons, st = speculative_generate_batch(
             model, [p.ids for p in prompts], max_new_tokens, eos_id, spec.temperature, spec.k, spec.verify,
@@ -147,16 +164,18 @@ class Runner:
     rank: int = 0
     prefill_chunk: Optional[int] = None       # positions per prefill call (None: one call)
     graphs: Any = None                        # --cuda-graph: decode steps as CUDA graphs (cuda_graph.py)
+    busy_s: float = 0.0                       # seconds inside run(): generating, not waiting for input
 
     def __post_init__(self):
         if self.spec is not None and self.spec_stats is None:
             self.spec_stats = SpecStats()
 
-    def finish(self, seconds: float) -> List[str]:
-        """Close what the run opened; the summary lines: timings, the weight stream's figures, speculation."""
+    def finish(self, seconds: float, label: str = "total") -> List[str]:
+        """Close what the run opened; the summary lines: timings (`label` `seconds`), the weight stream's
+        figures, speculation."""
         if self.records is not None:
             self.records.close()
-        lines = [f"{self.stats.summary()}; total {seconds:.2f} s"]
+        lines = [f"{self.stats.summary()}; {label} {seconds:.2f} s"]
         if self.graphs is not None:
             lines.append(f"CUDA graphs captured: {self.graphs.captured}")
         if self.model.weight_stream is not None:
@@ -174,12 +193,17 @@ class Runner:
             chunk = prompts[start:start + size]
             yield from zip(chunk, self.run(chunk, [f"prompt {start + n + 1}" for n in range(len(chunk))]))
 
-    def run(self, prompts: List[Prompt], names: List[str],
-            always_warn: bool = False) -> List[Optional[Completion]]:
+    def run(self, prompts: List[Prompt], names: List[str], always_warn: bool = False,
+            on_step: Optional[StepHook] = None) -> List[Optional[Completion]]:
         """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
-        other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn."""
-        ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats, self.spec,
-                                self.spec_stats, self.prefill_chunk, self.graphs)
+        other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn.
+        on_step: see generate() (plain decoding only)."""
+        start = time.perf_counter()
+        try:
+            ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats,
+                                    self.spec, self.spec_stats, self.prefill_chunk, self.graphs, on_step)
+        finally:
+            self.busy_s += time.perf_counter() - start
         if self.rank != 0:
             return [None] * len(prompts)
         done = []

@@ -35,6 +35,19 @@ def check_prompt_lengths(lengths: List[int], max_seq_len: int) -> None:
                              f"(max_seq_len={max_seq_len}): prompt {i + 1} has {n} tokens")
 
 
+def _blank_messages(messages: List[Any]) -> bool:
+    """True when no message carries text, an image, a tool call or tools: nothing to answer."""
+    def blank(content) -> bool:
+        if isinstance(content, str):
+            return not content.strip()
+        if isinstance(content, list):
+            return all(isinstance(b, dict) and b.get("type") == "text"
+                       and not str(b.get("text") or "").strip() for b in content)
+        return content is None
+    return all(isinstance(m, dict) and blank(m.get("content")) and blank(m.get("reasoning_content"))
+               and not m.get("tool_calls") and not m.get("tools") for m in messages)
+
+
 def check_vision(margs: ModelArgs, n_images: int, where: str, vision: bool) -> None:
     if n_images and margs.vision_n_layers <= 0:
         raise InputError(f"{where}: {n_images} image(s) given, but this model has no vision tower "
@@ -69,15 +82,25 @@ def read_batch_prompts(path: str, tokenizer, margs: ModelArgs, thinking_mode: st
     if path.endswith(".json"):
         cases = load_cases(path)
         raws = [to_json(case["messages"]) for case in cases]
+        if not cases:
+            raise InputError(f"{path}: no prompts (an empty case list)")
+        for n, case in enumerate(cases):   # numbered from 0, as load_cases names a case
+            if _blank_messages(case["messages"]):
+                raise InputError(f"{path}: case {n} is blank (no message has any text, image or tool call)")
     else:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read().rstrip("\n")
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"cannot read input file {path}: {e}") from None
+        if not text.strip():   # the official tool generates for the prompt "" here
+            raise InputError(f"{path}: no prompts (the file is empty or blank)")
         raws = text.split("\n\n")   # official: every "\n\n" splits, even inside longer runs of newlines
         cases = []
         for n, chunk in enumerate(raws):
+            if not chunk.strip():
+                raise InputError(f"{path}: prompt {n + 1} is blank (prompts are separated by one blank line; "
+                                 f"more blank lines in a row make an empty prompt)")
             try:
                 cases.append({"messages": [{"role": "user", "content": parse_tagged_text(chunk)}]})
             except EncodingError as e:
@@ -126,6 +149,8 @@ def parse_completion(text: str, reason: str, thinking_mode: str) -> Tuple[Dict[s
             return parse_message_from_completion_text(text + EOS_TEXT, thinking_mode), None
         except ParseError as e:
             problem = f"the completion does not parse ({e})"
+    elif reason == "interrupted":
+        problem = "interrupted before the end of the reply"
     else:
         problem = "the token budget ran out before the end of the reply"
     reasoning, content = "", text
@@ -275,7 +300,8 @@ class Completion:
 
 def finish_completion(tokenizer, prompt: Prompt, completion: List[int], reason: str, where: str,
                       warn_parse: bool, max_new_tokens: int) -> Completion:
-    """Decode and parse a completion (EOS excluded; reason "eos" or "length")."""
+    """Decode and parse a completion (EOS excluded; reason "eos", "length" or "interrupted"). An interrupted
+    reply gets no warning: the caller says it was interrupted."""
     text = tokenizer.decode(completion, skip_special_tokens=False)
     message, problem = parse_completion(text, reason, prompt.thinking_mode)
     warning = None
@@ -283,11 +309,10 @@ def finish_completion(tokenizer, prompt: Prompt, completion: List[int], reason: 
         warning = (f"{where}: thinking used the whole --max-new-tokens budget ({max_new_tokens}) and the "
                    f"answer is empty. This looks broken but isn't: raise --max-new-tokens or lower "
                    f"--reasoning-effort")
-    elif problem and warn_parse:
+    elif problem and warn_parse and reason != "interrupted":
         warning = f"{where}: {problem}; keeping the raw text as the reply"
     record = {"prompt": prompt.raw, "completion": text, "content": message["content"],
               "reasoning_content": message["reasoning_content"], "tool_calls": message["tool_calls"],
               "prompt_tokens": len(prompt.ids), "completion_tokens": len(completion) + (reason == "eos"),
               "finish_reason": reason, "parse_error": problem}
     return Completion(text, message, warning, record)
-
