@@ -3,6 +3,7 @@
 #   bash run.sh                       built-in demo: tiny random-weight model, CPU, W = 1 then W = 2
 #   bash run.sh test [pytest args]    the test suite
 #   bash run.sh convert ARGS...       python convert.py ARGS...
+#   bash run.sh verify CKPT           python convert.py --verify CKPT (checksums of the converted files)
 #   bash run.sh gpu-check [--wheels DIR] the prepared device check (CUDA machines; says so in one line
 #                                     elsewhere); --rehearse walks its setup on CPU; docs/cli.md §4.3
 #   bash run.sh wheels DIR [--pack]   the wheels an offline GPU host needs for gpu-check --wheels (packed:
@@ -14,7 +15,7 @@ PY=${PYTHON:-python3}
 
 usage() {
     cat <<'EOF'
-usage: bash run.sh [demo | test | gpu-check | wheels | convert | generate | --help] [ARGS...]
+usage: bash run.sh [demo | test | gpu-check | wheels | convert | verify | generate | --help] [ARGS...]
 
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
@@ -35,14 +36,19 @@ usage: bash run.sh [demo | test | gpu-check | wheels | convert | generate | --he
                         takes a limited size per transfer) and says which call carries which
   convert ARGS          python3 convert.py ARGS, e.g.
                           bash run.sh convert --hf-ckpt-path HF --save-path OUT --model-parallel 8
+  verify CKPT           python3 convert.py --verify CKPT: every tensor of the converted files against the
+                        sha256 recorded when it was written; names the first damaged tensor and file (exit 1)
   generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
                           CKPT=/path/to/converted bash run.sh generate --interactive
 
 environment for generate (defaults in brackets):
   MP [8]                model-parallel degree = total number of processes: 1, 2, 4 or 8
-  NODES [1]             number of nodes (MP must be divisible by NODES)
+  NODES [1]             number of nodes (MP must be divisible by NODES), e.g. MP=8 NODES=2: 2 x 4 GPUs
   NODE_RANK [0]         rank of this node
   MASTER_ADDR [127.0.0.1], MASTER_PORT [29500]
+                        node 0's address; NODES > 1: required, and not a loopback address (unless
+                        ALLOW_LOOPBACK=1: several nodes on one machine)
+  JOIN_TIMEOUT [300]    NODES > 1: seconds node 0 waits for the other nodes before one line names them
   CKPT                  converted checkpoint directory (required unless --ckpt-path is given)
   CONFIG [./config.json]  inference config (unless --config is given)
   DRY_RUN=1             print the torchrun command instead of running it
@@ -121,7 +127,7 @@ torchrun2() {
 # Real-checkpoint launcher with the pre-launch checks of docs/cli.md §4.2.
 launch_generate() {
     local mp=${MP:-8} nodes=${NODES:-1} node_rank=${NODE_RANK:-0}
-    local addr=${MASTER_ADDR:-127.0.0.1} port=${MASTER_PORT:-29500}
+    local addr=${MASTER_ADDR:-127.0.0.1} port=${MASTER_PORT:-29500} join=${JOIN_TIMEOUT:-300}
     local ckpt=${CKPT:-} config=${CONFIG:-./config.json} extra=()
     local prev="" a has_ckpt="" has_config=""
     for a in "$@"; do   # --ckpt-path / --config on the command line win over CKPT / CONFIG
@@ -146,6 +152,25 @@ launch_generate() {
         *) die "MP must be one of 1, 2, 4, 8 (it must divide o_groups = 8), got $mp" ;;
     esac
     (( mp % nodes == 0 )) || die "MP=$mp is not divisible by NODES=$nodes"
+    local launcher=(-m torch.distributed.run) multi=()
+    if (( nodes > 1 )); then   # torchrun behind a node join that names a node that does not come
+        [[ "$join" =~ ^[0-9]+$ && "$join" -ge 1 ]] \
+            || die "JOIN_TIMEOUT must be a positive number of seconds, got '$join'"
+        [ -n "${MASTER_ADDR:-}" ] || die "NODES=$nodes needs MASTER_ADDR: node 0's address, reachable from" \
+            "every node (the same on all of them)"
+        # The other nodes cannot reach a loopback address (a host name may resolve to one: /etc/hosts).
+        local resolved=$addr
+        if command -v getent >/dev/null; then
+            resolved=$(getent ahosts "$addr" | awk 'NR == 1 { print $1 }') || resolved=""
+            [ -n "$resolved" ] || die "MASTER_ADDR=$addr does not resolve to an address"
+        fi
+        if [[ "$resolved" =~ ^(127\.|::1$|0\.0\.0\.0$|localhost$) && -z "${ALLOW_LOOPBACK:-}" ]]; then
+            die "MASTER_ADDR=$addr is a loopback address ($resolved), which the other nodes cannot reach:" \
+                "set node 0's network address (ALLOW_LOOPBACK=1: all nodes on this machine)"
+        fi
+        launcher=(-m inference.parallel)
+        multi=(--rdzv-conf "timeout=$join")
+    fi
     [ -n "$ckpt" ] || die "set CKPT=/path/to/converted/checkpoint (or pass --ckpt-path)"
     [ -d "$ckpt" ] || die "checkpoint directory not found: $ckpt"
     local i f
@@ -161,8 +186,8 @@ launch_generate() {
     [ -f "$config" ] || die "config file not found: $config (set CONFIG or pass --config)"
     [ -n "$has_ckpt" ] || extra+=(--ckpt-path "$ckpt")
     [ -n "$has_config" ] || extra+=(--config "$config")
-    local cmd=("$PY" -m torch.distributed.run --nnodes "$nodes" --nproc-per-node "$((mp / nodes))"
-               --node-rank "$node_rank" --master-addr "$addr" --master-port "$port"
+    local cmd=("$PY" "${launcher[@]}" --nnodes "$nodes" --nproc-per-node "$((mp / nodes))"
+               --node-rank "$node_rank" --master-addr "$addr" --master-port "$port" ${multi[@]+"${multi[@]}"}
                generate.py "${extra[@]}" "$@")
     if [ -n "${DRY_RUN:-}" ]; then
         echo "${cmd[*]}"
@@ -225,6 +250,10 @@ case "$cmd" in
         ;;
     convert)
         exec "$PY" convert.py "$@"
+        ;;
+    verify)
+        [ $# -ge 1 ] || die "verify needs the converted checkpoint directory: bash run.sh verify CKPT"
+        exec "$PY" convert.py --verify "$@"
         ;;
     gpu-check)
         gpu_check "$@"

@@ -14,7 +14,7 @@ import torch
 from conftest import FIXTURE, ROOT, fixture_file
 
 from inference.config import ModelArgs, RuntimeOptions
-from inference.engine.memory import GIB, PlanError, parse_bytes, plan_memory, workspace_bytes
+from inference.engine.memory import GIB, PlanError, gib, parse_bytes, plan_memory, workspace_bytes
 from inference.parallel import ParallelContext
 from inference.safetensors_io import read_header
 
@@ -205,3 +205,62 @@ def test_a_memory_plan_does_not_import_torch_dynamo():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_released_mp8_verdict_counts_chunked_prefill():
+    """The README's setup (MP 8, 64K context, batch 4): a one-call prefill of 64K x 4 fits no GPU, but
+    generate.py prefills in chunks by default, so every GPU "fits", with the chunk generate.py picks (at least
+    one window); the one-call limit stays as information, and the loader's verdict line says the same."""
+    from inference.engine.memory import GPUS, verdict_line
+    from inference.engine.prefill import prefill_chunk_for
+    from inference.tools.plan import render, verdicts
+    args = ModelArgs.from_file(RELEASED_CONFIG, max_seq_len=65536, max_batch_size=4)
+    plan = plan_memory(args, 8, ranks=[0])
+    ver = verdicts(plan, GPUS)
+    text = render(plan, ver, "config.json", {"packed": {"per_token": 1, "rings_per_sequence": 1},
+                                             "bf16": {"per_token": 1, "rings_per_sequence": 1}})
+    assert "decode only" not in text and "does not fit" not in text
+    for name, v in ver.items():
+        assert v["fits"] and not v["fits_one_call"], name
+        assert args.window_size <= v["prefill_chunk"] == v["largest_chunk"] < args.max_seq_len, name
+        assert (f"{name:<14} ({gib(v['capacity'])}): fits: prefill in chunks of {v['prefill_chunk']:,} "
+                f"tokens (generate.py's default, the largest that fits); one call fits up to "
+                f"{v['longest_prefill']:,} tokens per row (batch 4)") in text
+    h100 = ver["H100 80 GB"]
+    par = ParallelContext(8, 0)
+    assert prefill_chunk_for(None, args, par, RuntimeOptions(), "cpu", log=lambda *_: None,
+                             gpu_mem=h100["capacity"]) == h100["prefill_chunk"]
+    assert f"prefill in chunks of up to {h100['prefill_chunk']:,} tokens" in verdict_line(
+        plan, "cuda:0", h100["capacity"])
+
+
+def test_verdicts_one_call_decode_only_and_a_given_chunk(capsys):
+    """The fixture (window 64): one call on every listed GPU; a budget that fits a decode step and a chunk of
+    63 tokens but not 64 is "decode only"; --prefill-chunk C is judged as given."""
+    from inference.tools.plan import main, verdicts
+    args = ModelArgs.from_file(FIXTURE_CONFIG)
+    plan = plan_memory(args, 1, ranks=[0])
+    assert main(["--config", FIXTURE_CONFIG]) == 0
+    text = capsys.readouterr().out
+    assert text.count(f"fits: prompts of {args.max_seq_len:,} tokens x {args.max_batch_size} rows prefill in "
+                      f"one call") == 3
+    r, window = plan.worst, args.window_size
+
+    def chunk_bytes(c):
+        return max(workspace_bytes(plan.shapes, args.max_batch_size, c, context=args.max_seq_len).values())
+    tight = r.resident_bytes + max(r.phase_bytes("decode"), chunk_bytes(window - 1))
+    assert chunk_bytes(window) > tight - r.resident_bytes
+    v = verdicts(plan, {"tight": tight})["tight"]
+    assert v["fits_decode"] and not v["fits"] and v["largest_chunk"] == window - 1
+    assert main(["--config", FIXTURE_CONFIG, "--gpu-mem", str(tight)]) == 0
+    assert f"decode only: a prefill chunk fits up to {window - 1} tokens (< one window ({window}))" \
+        in capsys.readouterr().out
+    roomy = r.resident_bytes + max(r.phase_bytes("decode"), chunk_bytes(200))
+    for chunk, fits in ((100, True), (300, False)):
+        assert main(["--config", FIXTURE_CONFIG, "--gpu-mem", str(roomy), "--prefill-chunk", str(chunk),
+                     "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert list(out["fits"].values()) == [fits] and list(out["prefill_chunk"].values()) == [chunk]
+        assert 200 <= list(out["largest_chunk"].values())[0] < 300
+    assert main(["--config", FIXTURE_CONFIG, "--prefill-chunk", "0"]) == 1
+    assert "--prefill-chunk must be in 1..512" in capsys.readouterr().err

@@ -12,7 +12,8 @@ RUN_SH = os.path.join(ROOT, "run.sh")
 
 def run_sh(*args, env=None, timeout=60):
     full_env = {k: v for k, v in os.environ.items()
-                if k not in ("MP", "NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CKPT", "CONFIG")}
+                if k not in ("MP", "NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CKPT", "CONFIG",
+                             "JOIN_TIMEOUT", "ALLOW_LOOPBACK")}
     full_env.update(env or {})
     return subprocess.run(["bash", RUN_SH, *args], capture_output=True, text=True, timeout=timeout,
                           env=full_env, stdin=subprocess.DEVNULL)
@@ -31,7 +32,7 @@ def test_help():
     for flag in ("--help", "-h"):
         proc = run_sh(flag)
         assert proc.returncode == 0 and "usage: bash run.sh" in proc.stdout
-        assert "MP [8]" in proc.stdout and "CKPT" in proc.stdout
+        assert "MP [8]" in proc.stdout and "CKPT" in proc.stdout and "JOIN_TIMEOUT [300]" in proc.stdout
         assert "gpu-check [--wheels DIR | --wheels DIR.tar.xz | --wheels DIR.tar.xz.part0]" in proc.stdout
         assert "wheels DIR [--python-version 3.N] [--pack [--part-size 30M]]" in proc.stdout
     proc = run_sh("bogus")
@@ -48,13 +49,22 @@ def test_generate_dry_run_builds_the_torchrun_command(ckpt):
     assert cmd[cmd.index("--master-port") + 1] == "29555"
     assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--ckpt-path") + 1] == str(ckpt) and cmd[-1] == "--interactive"
-    # Two nodes: one process per node; --ckpt-path on the command line wins over CKPT and is not repeated.
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--rdzv-conf" not in cmd
+    # Two nodes: one process per node, behind the node join (inference.parallel) with JOIN_TIMEOUT as the
+    # rendezvous timeout; --ckpt-path on the command line wins over CKPT and is not repeated.
     proc = run_sh("generate", "--ckpt-path", str(ckpt), "--input-file", "p.txt",
-                  env={**env, "NODES": "2", "NODE_RANK": "1", "CKPT": "/nonexistent"})
+                  env={**env, "NODES": "2", "NODE_RANK": "1", "CKPT": "/nonexistent",
+                       "MASTER_ADDR": "10.0.0.1", "JOIN_TIMEOUT": "42"})
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.split()
+    assert cmd[1:3] == ["-m", "inference.parallel"] and cmd[cmd.index("--rdzv-conf") + 1] == "timeout=42"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and cmd[cmd.index("--node-rank") + 1] == "1"
-    assert cmd.count("--ckpt-path") == 1
+    assert cmd[cmd.index("--master-addr") + 1] == "10.0.0.1" and cmd.count("--ckpt-path") == 1
+    # Several "nodes" on this machine: loopback only with the override.
+    proc = run_sh("generate", "--interactive", env={**env, "NODES": "2", "MASTER_ADDR": "127.0.0.1",
+                                                    "ALLOW_LOOPBACK": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[proc.stdout.split().index("--master-addr") + 1] == "127.0.0.1"
 
 
 @pytest.mark.parametrize("env,message", [
@@ -63,6 +73,13 @@ def test_generate_dry_run_builds_the_torchrun_command(ckpt):
     ({"MP": "two"}, "MP must be a positive integer"),
     ({"MP": "2", "NODES": "4"}, "MP=2 is not divisible by NODES=4"),
     ({"MP": "2", "NODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be an integer in 0..1"),
+    ({"MP": "2", "NODES": "2"}, "NODES=2 needs MASTER_ADDR: node 0's address"),
+    ({"MP": "2", "NODES": "2", "MASTER_ADDR": "127.0.0.1"},
+     "MASTER_ADDR=127.0.0.1 is a loopback address (127.0.0.1), which the other nodes cannot reach"),
+    ({"MP": "2", "NODES": "2", "MASTER_ADDR": "localhost"}, "MASTER_ADDR=localhost is a loopback address"),
+    ({"MP": "2", "NODES": "2", "MASTER_ADDR": "::1"}, "MASTER_ADDR=::1 is a loopback address"),
+    ({"MP": "2", "NODES": "2", "MASTER_ADDR": "10.0.0.1", "JOIN_TIMEOUT": "0"},
+     "JOIN_TIMEOUT must be a positive number of seconds, got '0'"),
     ({"MP": "4"}, "missing shard {ckpt}/model2-mp4.safetensors"),
     ({"MP": "2", "CONFIG": "/nonexistent/config.json"}, "config file not found: /nonexistent/config.json"),
 ])

@@ -33,8 +33,9 @@ embedding and the kept DSpark inputs):
 Each stage is multiplied by MARGIN (temporaries the terms leave out, allocator slack) and the workspace of a
 call is the largest stage. On the tiny fixture model (CPU, allocations traced by the profiler) the stated
 prefill workspace is 1.1-1.7 times the measured peak, never below it (tests/test_plan.py). The plan gives it
-for a decode step (S = 1) and for a prefill of `prefill_len` tokens per row (default: max_seq_len: the
-generate loop prefills a prompt in one call), and the longest prompt whose one-call prefill fits. RESERVE
+for a decode step (S = 1) and for a one-call prefill of `prefill_len` tokens per row (default: max_seq_len),
+the longest prompt whose one-call prefill fits, and the largest prefill chunk that fits at the full context
+(generate.py prefills in chunks of it when one call does not fit). RESERVE
 stands for the CUDA context, cuBLAS/NCCL buffers and allocator slack (assumed, not measured). Loop-free or
 fused kernels (--numerics fast, tilelang) need less; the estimate does not model them.
 
@@ -302,6 +303,17 @@ class MemoryPlan:
 
         return _largest(fits, self.args.max_seq_len)
 
+    @property
+    def min_chunk(self) -> int:
+        """The smallest prefill chunk a verdict of "fits" accepts: one window (as --long-context)."""
+        return min(self.args.window_size, self.args.max_seq_len)
+
+    def default_chunk(self, capacity: int, on_gpu: bool = True) -> Optional[int]:
+        """generate.py's default --prefill-chunk on this GPU: None (one call) when a prompt of max_seq_len
+        prefills in one call, else the largest chunk that fits (0: not even one token)."""
+        chunk = self.largest_chunk(capacity, on_gpu)
+        return None if chunk >= self.args.max_seq_len else chunk
+
     def largest_chunk(self, capacity: int, on_gpu: bool = True) -> int:
         """Largest prefill chunk (tokens per row per call, at max_batch_size rows) that fits next to the
         resident bytes when its last position is max_seq_len - 1 (the most a chunk's workspace can be); 0 if
@@ -409,9 +421,12 @@ def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) 
         return line + f" on {device}"
     if need > capacity:
         return line + f" of {gib(capacity)} on {device}: does not fit"
-    longest = plan.longest_prefill(capacity)
-    return (line + f" of {gib(capacity)} on {device}; prompts up to {longest:,} tokens x "
-            f"{plan.args.max_batch_size} rows prefill in one call")
+    a, chunk = plan.args, plan.default_chunk(capacity)
+    if chunk is None:
+        return line + f" of {gib(capacity)} on {device}; prompts of {a.max_seq_len:,} tokens x " \
+            f"{a.max_batch_size} rows prefill in one call"
+    return (line + f" of {gib(capacity)} on {device}; prefill in chunks of up to {chunk:,} tokens (one call: "
+            f"prompts up to {plan.longest_prefill(capacity):,} tokens x {a.max_batch_size} rows)")
 
 
 def fix_hint(plan: MemoryPlan) -> str:

@@ -82,11 +82,12 @@ def prefill_chunk_for(requested: Optional[int], args, par, opts, device: str, lo
         return None
     capacity = gpu_mem or torch.cuda.get_device_properties(torch.device(device)).total_memory
     plan = plan_memory(args, par.world_size, opts, ranks=[par.rank])
-    chunk = plan.largest_chunk(capacity)
-    if chunk >= args.max_seq_len or chunk == 0:         # 0: load_model's memory check names the problem
+    chunk = plan.default_chunk(capacity)        # the chunk tools/plan.py's verdict names
+    if not chunk:                               # 0: load_model's memory check names the problem
         log(f"prefill: one call per prompt (the memory plan fits {args.max_seq_len:,} tokens x "
             f"{args.max_batch_size} rows)")
         return None
+    small = f", under one window ({plan.min_chunk:,}): many calls a prompt" if chunk < plan.min_chunk else ""
     log(f"prefill: chunks of {chunk:,} tokens, the largest the memory plan fits on {device} beside a context "
-        f"of {args.max_seq_len:,} tokens x {args.max_batch_size} rows (--prefill-chunk N overrides)")
+        f"of {args.max_seq_len:,} tokens x {args.max_batch_size} rows{small} (--prefill-chunk N overrides)")
     return chunk

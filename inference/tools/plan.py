@@ -1,7 +1,7 @@
 """Memory plan: what each rank holds on its GPU, by category, and on which GPUs that fits.
 
     python -m inference.tools.plan --config config.json --mp 4 --max-seq-len 65536 --max-batch-size 4 \\
-        --engram-on host [--gpu-mem 141GB] [--prefill-len N] [--json]
+        --engram-on host [--gpu-mem 141GB] [--prefill-len N] [--prefill-chunk C] [--json]
     python -m inference.tools.plan --config config.json --long-context --mp 4 8 --max-batch-size 1 4 \\
         --engram-on device host [--prefill-chunk C] [--limit 1048576]
 
@@ -12,9 +12,12 @@ the weights and the caches of that context, and the chunk it then needs. Prefill
 
 Weights and caches are exact (the model is built on the meta device for every rank); the activation
 workspace is a stated estimate of the torch code path (inference/engine/memory.py lists its terms). The
-verdict: "fits" when weights + caches + reserve + the workspace of both a decode step and a one-call
-prefill of --prefill-len tokens per row (default: --max-seq-len) fit; "decode only" when the model runs but
-a prefill that long does not (the longest that does is given); otherwise "does not fit", with the fix.
+verdict follows generate.py, which prefills in chunks when one call does not fit: "fits" when weights +
+caches + reserve + the workspace of a decode step fit, and so does a prefill chunk of at least one window
+(window_size tokens; --prefill-chunk C: of C tokens) at the full context, with the chunk generate.py then
+uses (one call when a prompt of --max-seq-len fits in one); "decode only" when the model decodes but no such
+chunk fits; otherwise "does not fit", with the fix. The longest one-call prefill (and the workspace of one
+of --prefill-len tokens per row, default --max-seq-len) is given as information.
 
 Released config at MP 1: 513,149,074,264 weight bytes, 2,863,051,264 (+0.56 %) above the checkpoint's
 510,286,023,000 tensor bytes: wo_a held in bf16 without its scales (+1,441,431,552), head.weight in fp32
@@ -32,10 +35,19 @@ from ..engine.memory import (GPUS, LABELS, WEIGHT_GROUPS, MemoryPlan, PlanError,
                               parse_bytes, plan_memory)
 
 
-def verdicts(plan: MemoryPlan, gpus: Dict[str, int]) -> Dict[str, dict]:
-    return {name: {"capacity": cap, "fits": plan.worst.total_bytes <= cap,
-                   "fits_decode": plan.fits_decode(cap), "longest_prefill": plan.longest_prefill(cap)}
-            for name, cap in gpus.items()}
+def verdicts(plan: MemoryPlan, gpus: Dict[str, int], chunk: Optional[int] = None) -> Dict[str, dict]:
+    """Per GPU: fits (a decode step and a prefill chunk of `chunk` tokens, by default at least one window),
+    the chunk generate.py uses (None: one call), and the one-call figures."""
+    out = {}
+    for name, cap in gpus.items():
+        decode = plan.fits_decode(cap)
+        largest = plan.largest_chunk(cap) if decode else 0
+        default = None if largest >= plan.args.max_seq_len else largest
+        out[name] = {"capacity": cap, "fits": decode and largest >= (chunk or plan.min_chunk),
+                     "fits_decode": decode, "largest_chunk": largest, "prefill_chunk": chunk or default,
+                     "fits_one_call": plan.worst.total_bytes <= cap,
+                     "longest_prefill": plan.longest_prefill(cap)}
+    return out
 
 
 def cache_density(plan: MemoryPlan, other: MemoryPlan) -> Dict[str, Dict[str, float]]:
@@ -53,7 +65,8 @@ def cache_density(plan: MemoryPlan, other: MemoryPlan) -> Dict[str, Dict[str, fl
 Density = Dict[str, Dict[str, float]]
 
 
-def render(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Density) -> str:
+def render(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Density,
+           chunk: Optional[int] = None) -> str:
     a = plan.args
     lines = [f"{config}: MP {plan.world_size}, max_seq_len {a.max_seq_len:,}, batch {a.max_batch_size}, "
              f"Engram on {plan.engram_on}, prefill {plan.prefill_len:,} tokens per row in one call"]
@@ -102,11 +115,17 @@ def render(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Density
     lines.append(f"exact bytes (rank {r0.rank}): weights {r0.weights_bytes:,}, on the GPU "
                  f"{r0.gpu_weights_bytes:,}, caches {r0.cache_bytes:,}, total {r0.total_bytes:,}")
     for name, v in ver.items():
-        if v["fits"]:
-            say = "fits"
+        if v["fits"] and v["prefill_chunk"] is None:
+            say = f"fits: prompts of {a.max_seq_len:,} tokens x {a.max_batch_size} rows prefill in one call"
+        elif v["fits"]:
+            how = (f"--prefill-chunk; the largest that fits: {v['largest_chunk']:,}" if chunk
+                   else "generate.py's default, the largest that fits")
+            say = (f"fits: prefill in chunks of {v['prefill_chunk']:,} tokens ({how}); one call fits up to "
+                   f"{v['longest_prefill']:,} tokens per row (batch {a.max_batch_size})")
         elif v["fits_decode"]:
-            say = (f"decode only: a one-call prefill fits up to {v['longest_prefill']:,} tokens per row "
-                   f"(batch {a.max_batch_size})")
+            floor = f"{chunk:,} (--prefill-chunk)" if chunk else f"one window ({plan.min_chunk:,})"
+            fix = "lower --prefill-chunk" if chunk else fix_hint(plan)
+            say = f"decode only: a prefill chunk fits up to {v['largest_chunk']:,} tokens (< {floor}); {fix}"
         else:
             r = plan.worst
             short = r.resident_bytes + r.phase_bytes("decode") - v["capacity"]
@@ -124,9 +143,9 @@ def to_json(plan: MemoryPlan, ver: Dict[str, dict], config: str, density: Densit
         "weights_bytes": r0.weights_bytes, "gpu_weights_bytes": r0.gpu_weights_bytes,
         "cache_bytes": r0.cache_bytes, "workspace_bytes": r0.workspace_bytes, "reserve_bytes": r0.reserve,
         "total_bytes": r0.total_bytes, "host_bytes": r0.host_bytes, "file_bytes": r0.file_bytes,
-        "fits": {k: v["fits"] for k, v in ver.items()},
-        "fits_decode": {k: v["fits_decode"] for k, v in ver.items()},
-        "longest_prefill": {k: v["longest_prefill"] for k, v in ver.items()},
+        **{key: {k: v[key] for k, v in ver.items()}
+           for key in ("fits", "fits_decode", "prefill_chunk", "largest_chunk", "fits_one_call",
+                       "longest_prefill")},
         "kv_format": "packed" if plan.packed_kv else "bf16", "cache_density": density,
         "ranks": [{"rank": r.rank, "weights": r.weights, "caches": r.caches, "workspace": r.workspace,
                    "weights_bytes": r.weights_bytes, "file_bytes": r.file_bytes, "total_bytes": r.total_bytes}
@@ -179,8 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "takes several")
     ap.add_argument("--long-context", action="store_true", help="the longest context each setup holds with "
                     "chunked prefill, and the chunk it needs")
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="--long-context: judge this chunk (default: the largest that fits, >= one window)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="judge this chunk (default: the largest "
+                    "that fits, at least one window)")
     ap.add_argument("--limit", type=int, default=1 << 20, help="--long-context: the longest context asked "
                     "about (default 1,048,576, the released model's)")
     ap.add_argument("--prefill-len", type=int, default=None,
@@ -205,6 +224,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   ("max_batch_size", o.max_batch_size and o.max_batch_size[0])) if v}
         args = ModelArgs.from_file(o.config, **over)
         args.check_world_size(mp)
+        if o.prefill_chunk is not None and not 1 <= o.prefill_chunk <= args.max_seq_len:
+            raise PlanError(f"--prefill-chunk must be in 1..{args.max_seq_len:,} (--max-seq-len), got "
+                            f"{o.prefill_chunk}")
         opts = RuntimeOptions.from_profile("reference", engram_on=engram_on,
                                            packed_kv=o.kv_format == "packed")
         plan = plan_memory(args, mp, opts, prefill_len=o.prefill_len,
@@ -214,10 +236,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ver = verdicts(plan, gpus)
+    ver = verdicts(plan, gpus, o.prefill_chunk)
     density = cache_density(plan, other)
     print(json.dumps(to_json(plan, ver, o.config, density), indent=1) if o.json
-          else render(plan, ver, o.config, density))
+          else render(plan, ver, o.config, density, o.prefill_chunk))
     return 0
 
 
