@@ -80,6 +80,26 @@ mean KL 3.9e-3; exit status 1), and the block captures of the two runs (score_wi
     step 00: input_ids exact, engram_hashes exact, engram_out 0.00e+00, block_out 1.00e-01 (block 4), ...
     ...
     first divergence: step 00, block 4: block_out relative error 1.00e-01 > 0.001
+
+corpus: perplexity over a text, and llama.cpp's KL-divergence base (docs/kld.md, inference/tools/corpus.py)
+
+    [torchrun --nproc-per-node W -m] python -m inference.tools.parity corpus --ckpt-path D --config C
+        --text FILE | --tokens FILE  --ctx N  [--kld-base OUT.kld] [--topk-out OUT.safetensors --topk K]
+        [--chunks M] [--batch B] [--bos yes|no] [--numerics ...] [--offload disk] [--prefill-chunk N]
+
+The text cut into chunks of N tokens as llama.cpp's perplexity tool cuts it (each from an empty cache, BOS in
+place of its first token); the distributions of positions N/2 .. N-2 of every chunk written as the .kld rows
+llama-perplexity --kl-divergence reads and/or the compact top-K file, with a manifest beside each. Resumable:
+a run stopped at any point and started again with the same arguments gives the same bytes.
+
+kld: what llama-perplexity --kl-divergence prints, for a test run against a base (docs/kld.md §4)
+
+    python -m inference.tools.parity kld BASE TEST [--floor OTHER] [--max-kld 1e-3] [--max-kld-p99 X]
+        [--min-same-top 0.995] [--max-floor-ratio R] [--per-chunk]
+
+BASE and TEST: .kld files, compact files, dumps or engines' prompt log-probs (top-K: on the shared support, as
+compare). --floor: a second run of this reference (another summation order or world size), its figures
+printed beside the test's. Exit status: 0 when every check passes, 1 when one fails, 2 on bad input.
 """
 import argparse
 import json
@@ -92,6 +112,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from . import kld
 
 
 class ParityError(ValueError):
@@ -113,6 +135,7 @@ class SeqScores:
     logits: Optional[torch.Tensor] = None        # [n, V] fp32
     topk: Optional[List[TopK]] = None
     input_ids: Optional[List[int]] = None
+    target_logprobs: Optional[Dict[int, float]] = None    # position p: log-prob of token p+1 (SGLang's)
 
 
 @dataclass
@@ -202,9 +225,11 @@ def _read_json(path: str) -> ScoreFile:
         if not _is_list_of_sequences(seqs, parse):
             seqs, ids = [seqs], [ids]
         ids = ids or [None] * len(seqs)
+        targets = [None] * len(seqs)
         if parse is _sglang_entry:                            # [logprob, id, text] per token: keep the ids
+            targets = [_sglang_targets(seq_ids) for seq_ids in ids]
             ids = [[e[1] for e in seq_ids] if seq_ids else None for seq_ids in ids]
-        for seq, seq_ids in zip(seqs, ids):
+        for seq, seq_ids, seq_targets in zip(seqs, ids, targets):
             try:
                 entries = [(t - 1, parse(e)) for t, e in enumerate(seq) if t > 0 and e]
             except (TypeError, ValueError, KeyError, IndexError) as e:
@@ -212,7 +237,8 @@ def _read_json(path: str) -> ScoreFile:
             if not entries:
                 raise ParityError(f"{path}: request {i}: no position has log-probabilities")
             out.seqs.append(SeqScores([p for p, _ in entries], topk=[e for _, e in entries],
-                                      input_ids=list(seq_ids) if seq_ids else None))
+                                      input_ids=list(seq_ids) if seq_ids else None,
+                                      target_logprobs=seq_targets))
     out.kind = " + ".join(sorted(kinds))
     return out
 
@@ -225,6 +251,14 @@ def _is_list_of_sequences(seqs: list, parse) -> bool:
         return isinstance(first, list)
     inner = next((e for e in first if e), None) if isinstance(first, list) else None
     return isinstance(inner, list) and any(isinstance(x, list) for x in inner)
+
+
+def _sglang_targets(entries: Optional[list]) -> Optional[Dict[int, float]]:
+    """input_token_logprobs [[logprob, id, text], ...] -> {position t-1: logprob of token t}."""
+    if not entries:
+        return None
+    return {t - 1: float(e[0]) for t, e in enumerate(entries)
+            if t > 0 and isinstance(e[0], (int, float)) and math.isfinite(e[0])}
 
 
 def _vllm_entry(e: dict) -> TopK:
@@ -591,10 +625,43 @@ def run_compare_blocks(path_a: str, path_b: str, rtol: float = 1e-3, pre_mix_ato
 
 
 # ---------------------------------------------------------------------------------------------------------
+# KL-divergence statistics over a corpus (inference/tools/kld.py)
+# ---------------------------------------------------------------------------------------------------------
+
+def open_kld_side(path: str) -> "kld.Side":
+    """A .kld, a compact file, or anything `compare` reads (a logits dump, an engine's prompt log-probs)."""
+    side = kld.open_side(path)
+    if side is not None:
+        return side
+    f = read_scores(path)
+    return kld.ScoresSide(path, f.kind, kld.sequences_from(f.seqs), f.full)
+
+
+def run_kld(base: str, test: str, floor: Optional[str] = None, tol: Optional["kld.KldTolerances"] = None,
+            per_chunk: bool = False, base_exact: Optional[str] = None, out=None,
+            progress: bool = False) -> bool:
+    """Prints llama.cpp's KL-divergence statistics of `test` against `base` (and of `floor` against `base`
+    beside them); True when every check passes."""
+    sides = [open_kld_side(p) for p in (base, test, floor) if p]
+    anchor = next((s for s in sides if not isinstance(s, kld.ScoresSide)), None)
+    if anchor is None:
+        raise ParityError("kld needs a .kld or a compact file (python -m inference.tools.parity corpus) on "
+                          "one side: two dumps or prompt log-prob files are compared with `parity compare`")
+    for s in sides:
+        if isinstance(s, kld.ScoresSide):
+            s.bind(anchor.n_ctx).check_tokens(anchor.tokens)
+    exact = base_exact or (kld.companion_compact(base) if isinstance(sides[0], kld.KldSide) else None)
+    exact_side = kld.CompactSide(exact) if exact else None
+    return kld.report(sides[0], sides[1], sides[2] if floor else None, tol, per_chunk, exact_side, out,
+                      progress)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from . import corpus     # the model's code: loaded for the options, not by `compare` users at import
     p = argparse.ArgumentParser(prog="python -m inference.tools.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -620,17 +687,50 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "tests/fixtures/reference-tiny/README.md §8.2)")
     cb.add_argument("--pre-mix-atol", type=float, default=1e-4,
                     help="max |Δ| of the collapse weights block_pre_mix (default 1e-4)")
+    sc = sub.add_parser("corpus", help="score a text in chunks: perplexity, a llama.cpp .kld base, a compact "
+                        "top-K file (docs/kld.md)")
+    corpus.add_arguments(sc)
+    k = sub.add_parser("kld", help="llama.cpp's KL-divergence statistics of a test run against a base, "
+                       "beside the reference's own floor")
+    k.add_argument("base", help=".kld base, compact file (.safetensors), logits dump or prompt log-probs "
+                   "(.json)")
+    k.add_argument("test", help="the run to judge, of the same kinds")
+    k.add_argument("--floor", default=None, metavar="OTHER",
+                   help="a second run of this reference that should agree with the base (e.g. --numerics "
+                        "fast, or W = 2): its figures are printed beside the test's")
+    kt = kld.KldTolerances()
+    k.add_argument("--max-kld", type=float, default=kt.max_kld, help=f"mean KLD (default {kt.max_kld:g})")
+    k.add_argument("--max-kld-p99", type=float, default=kt.max_kld_p99,
+                   help="99th percentile KLD (default off)")
+    k.add_argument("--min-same-top", type=float, default=kt.min_same_top,
+                   help=f"same top p, a fraction (default {kt.min_same_top:g})")
+    k.add_argument("--max-floor-ratio", type=float, default=kt.max_floor_ratio,
+                   help="mean KLD at most this many times the floor's (with --floor; default off)")
+    k.add_argument("--affected-kld", type=float, default=kt.affected_kld,
+                   help=f"a position whose KLD exceeds this counts as affected (default {kt.affected_kld:g})")
+    k.add_argument("--per-chunk", action="store_true", help="also llama.cpp's running table, chunk by chunk")
+    k.add_argument("--base-exact", default=None, metavar="COMPACT",
+                   help="the compact file of the base's run, for the exact PPL(base) (default: the one the "
+                        "base's manifest names, when present)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     o = parse_args(argv)
+    if o.command == "corpus":
+        from . import corpus
+        return corpus.main(o)
     try:
         if o.command == "compare":
             tol = Tolerances(o.atol_max, o.atol_mean, o.max_kl, o.min_cos, o.min_top1, o.tie_margin)
             return 0 if run_compare(o.a, o.b, tol) else 1
+        if o.command == "kld":
+            tol = kld.KldTolerances(o.max_kld, o.max_kld_p99, o.min_same_top, o.max_floor_ratio,
+                                    o.affected_kld)
+            return 0 if run_kld(o.base, o.test, o.floor, tol, o.per_chunk, o.base_exact,
+                                progress=sys.stderr.isatty()) else 1
         return 0 if run_compare_blocks(o.a, o.b, o.rtol, o.pre_mix_atol) is None else 1
-    except ParityError as e:
+    except (ParityError, kld.KldError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
