@@ -7,6 +7,7 @@ wheels. Only a test that needs CUDA may be skipped, and none here does."""
 import contextlib
 import glob
 import importlib.metadata
+import importlib.util
 import io
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from site import getsitepackages, getusersitepackages
 
 import pytest
 
@@ -351,14 +353,14 @@ def test_wheels_are_tilelang_and_what_it_needs_never_torch(wheels):
         assert not missing, f"{r['name']} needs {missing}"
 
 
-# Run in a fresh venv that sees the system's packages, with every system distribution other than torch, numpy
-# and torch's own requirements (gpu_check.HOST_HAS) hidden: the GPU host the wheels are for, with the private
-# folder on PYTHONPATH as `gpu-check --wheels` puts it.
+# Run in a fresh venv that sees the packages of the Python running the suite (host_site_dirs), with every one
+# of them other than torch, numpy and torch's own requirements (gpu_check.HOST_HAS) hidden: the GPU host the
+# wheels are for, with the private folder on PYTHONPATH as `gpu-check --wheels` puts it.
 HOST_ONLY = """
 import importlib.abc, importlib.machinery, importlib.metadata as md, os, re, sys
 venv, site = {venv!r}, {site!r}
 hidden = set()
-for d in md.distributions(path=[p for p in sys.path if "site-packages" in p and not p.startswith(venv)]):
+for d in md.distributions(path={host_dirs!r}):
     name = re.sub(r"[-_.]+", "-", (d.metadata["Name"] or "")).lower()
     if name in {host!r} or name.startswith("nvidia-"):
         continue
@@ -381,21 +383,38 @@ tilelang.disable_cache()   # compile for real (the compile-time imports too), wr
 build = next(b for b in ops.builds(json.load(open("config.json"))) if b.name == "hc_split_sinkhorn")
 jit = ops.compile_kernel(build.prim_func(), {{"kind": "cuda", "arch": "sm_90a"}})
 assert "__global__" in jit.get_kernel_source()
-print(tilelang.__version__, tilelang.__file__)
+print(sys.modules["torch"].__file__, tilelang.__version__, tilelang.__file__)
 """
 
 
+def host_site_dirs() -> list:
+    """The site-packages folders of the Python running the suite, in its sys.path order: a venv's own (and
+    its base's with --system-site-packages), the user's when enabled."""
+    dirs = set(getsitepackages()) | {getusersitepackages()}
+    return [p for p in sys.path if p in dirs]
+
+
 def test_wheels_install_offline_into_a_fresh_venv(private_site, tmp_path):
-    """With only the host's packages and the private folder visible, tilelang and the check's modules import
-    and a kernel compiles: the wheel set is complete."""
+    """With only the host's packages (those of the Python running the suite, its torch among them) and the
+    private folder visible, tilelang and the check's modules import and a kernel compiles: the wheel set is
+    complete."""
     site, _ = private_site
     venv = tmp_path / "venv"
-    proc = run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)])
+    proc = run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     assert proc.returncode == 0, proc.stderr
-    code = HOST_ONLY.format(venv=str(venv), site=str(site), host=sorted(gpu_check.HOST_HAS))
-    proc = run([str(venv / "bin" / "python"), "-c", code], env={"PYTHONPATH": str(site)})
+    python = str(venv / "bin" / "python")
+    # The host's folders, their .pth files included, through a .pth of the venv's own: --system-site-packages
+    # would give it the base interpreter's, without the torch of a suite run from a venv.
+    purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    host_dirs = host_site_dirs()
+    with open(os.path.join(purelib, "host-site.pth"), "w", encoding="utf-8") as f:
+        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in host_dirs)
+    code = HOST_ONLY.format(venv=str(venv), site=str(site), host=sorted(gpu_check.HOST_HAS),
+                            host_dirs=host_dirs)
+    proc = run([python, "-c", code], env={"PYTHONPATH": str(site)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    version, where = proc.stdout.split()[-2:]
+    torch_file, version, where = proc.stdout.split()[-3:]
+    assert torch_file == importlib.util.find_spec("torch").origin
     assert version == TILELANG_PIN and where.startswith(str(site))
 
 
