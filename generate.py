@@ -30,7 +30,7 @@ from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn,
                                       read_score_file)
 from inference.engine.scoring import score_to_file
 from inference.engram import EngramError
-from inference.parallel import ParallelContext, RankLog, shutdown
+from inference.parallel import ParallelContext, RankLog, run_and_shut_down
 from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
@@ -301,18 +301,7 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     o = parse_args(argv)
     log = RankLog.from_env()
-    code = 0
-    try:
-        run(o, log)
-    except KNOWN_ERRORS as e:
-        log.error(str(e))
-        code = 1
-    except KeyboardInterrupt:
-        log.error("interrupted")
-        code = 130
-    finally:
-        shutdown(ok=code == 0)
-    return code
+    return run_and_shut_down(lambda: run(o, log), log, KNOWN_ERRORS)
 
 
 if __name__ == "__main__":

@@ -243,6 +243,23 @@ def shutdown(ok: bool) -> None:
         dist.destroy_process_group()
 
 
+def run_and_shut_down(run, log, known: tuple, error_code: int = 1, interrupted: str = "interrupted") -> int:
+    """A command line's body on this rank: run(); a `known` error (bad input or set-up) is one line and exit
+    status `error_code`, Ctrl-C one line and 130; torch.distributed is ended either way (shutdown)."""
+    code = 0
+    try:
+        run()
+    except known as e:
+        log.error(str(e))
+        code = error_code
+    except KeyboardInterrupt:
+        log.error(interrupted)
+        code = 130
+    finally:
+        shutdown(ok=code == 0)
+    return code
+
+
 class RankLog:
     """Prints on rank 0 only (errors: on every rank, so each process says why it stops)."""
 

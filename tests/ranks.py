@@ -117,3 +117,22 @@ def spawn(fn, args: tuple, nprocs: int = 2):
     import torch.multiprocessing as mp
     context()
     mp.start_processes(_with_stacks, args=(fn, *args), nprocs=nprocs, start_method="forkserver")
+
+
+def descendants(pid: int) -> list:
+    """The children of pid, theirs and so on, from /proc (torchrun's ranks run in sessions of their own: a
+    signal to the launcher's process group misses them)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import FIXTURE
+from ranks import descendants
 from test_generate import (GENERATE, ScriptedModel, assert_clean_error, base_args, read_jsonl, run_cli,
                            tiny)  # noqa: F401 (tiny: the session's converted checkpoint)
 
@@ -134,24 +135,6 @@ def test_interactive_with_an_input_file_is_an_error(tiny):
 # Chat sessions: a pseudo-terminal (W = 1, W = 2 under torchrun) and a pipe with SIGINT
 # ---------------------------------------------------------------------------------------------------------
 
-def _descendants(pid):
-    """Every process below pid (torchrun's ranks run in sessions of their own: a group signal misses them)."""
-    children = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 class Session:
     """A command on a pseudo-terminal or on pipes, read with bounded waits; close() kills it and every process
     it started."""
@@ -227,7 +210,7 @@ class Session:
         raise AssertionError(f"no exit within {timeout} s; output:\n{self.out.decode('utf-8', 'replace')}")
 
     def close(self) -> None:
-        for pid in [self.pid] + _descendants(self.pid):
+        for pid in [self.pid] + descendants(self.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -90,7 +90,7 @@ def kill(procs: List[subprocess.Popen]) -> None:
     torchrun starts each rank in a session of its own, out of reach of a process-group kill."""
     for p in procs:
         if p.poll() is None:
-            for pid in [*descendants(p.pid), p.pid]:
+            for pid in [*ranks.descendants(p.pid), p.pid]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -99,24 +99,6 @@ def kill(procs: List[subprocess.Popen]) -> None:
             p.communicate(timeout=30)
         except (subprocess.TimeoutExpired, ValueError):     # a pipe held out of reach; pipes already read
             pass
-
-
-def descendants(pid: int) -> List[int]:
-    """The children of pid, theirs and so on, from /proc."""
-    children: dict = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def node_env(readme_env: dict, tiny: dict, port: int, **over) -> dict:
@@ -170,6 +152,13 @@ def test_readme_example_on_two_nodes_of_two_ranks(tiny_mp4):
     assert len(replies(node0.stdout)) == 2 and replies(node0.stdout) == replies(one_node.stdout)
 
 
+def one_line_errors(expected):
+    """Each (finished process, the start of its message): exit status 1, that one line and nothing else."""
+    for proc, message in expected:
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+
+
 def test_a_node_that_never_joins_is_named_in_one_line(tiny_mp4):
     """Node 0 alone, and node 1 alone: each stops within its JOIN_TIMEOUT with one line naming what is missing
     and the address, no traceback."""
@@ -179,12 +168,10 @@ def test_a_node_that_never_joins_is_named_in_one_line(tiny_mp4):
                    node_env(readme_env, tiny_mp4, port, NODE_RANK=rank, JOIN_TIMEOUT="3"))
              for rank, port in zip(("0", "1"), ports)]
     node0, node1 = finish(alone, timeout=120)
-    for proc, message in ((node0, f"run.sh: error: node 1 (ranks 2-3) did not join within 3 s: node 0 waited "
+    one_line_errors(((node0, f"run.sh: error: node 1 (ranks 2-3) did not join within 3 s: node 0 waited "
                                   f"on 127.0.0.1:{ports[0]} (start run.sh generate with NODE_RANK=1"),
                           (node1, f"run.sh: error: node 1 found no node 0 at 127.0.0.1:{ports[1]} within "
-                                  f"3 s")):
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+                                  f"3 s")))
 
 
 def test_a_rank_that_never_joins_is_named_in_one_line(tiny_mp4):
@@ -197,12 +184,10 @@ def test_a_rank_that_never_joins_is_named_in_one_line(tiny_mp4):
                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for rank, port in zip((0, 3), ports)]
     rank0, rank3 = finish(alone, timeout=120)
-    for proc, message in ((rank0, f"[rank 0] error: ranks 1-3 of 4 did not join within 2 s (rank 0 waited on "
+    one_line_errors(((rank0, f"[rank 0] error: ranks 1-3 of 4 did not join within 2 s (rank 0 waited on "
                                   f"127.0.0.1:{ports[0]}; --join-timeout)"),
                           (rank3, f"[rank 3] error: rank 3 found no rendezvous at 127.0.0.1:{ports[1]} "
-                                  f"within 2 s")):
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(message), proc.stderr
+                                  f"within 2 s")))
 
 
 def test_the_process_group_timeout_reaches_the_group():

@@ -37,7 +37,7 @@ from ..engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_co
 from ..engine.errors import InputError
 from ..engine.prefill import chunk_bounds, prefill_chunk_for
 from ..engram import EngramError
-from ..parallel import ParallelContext, RankLog, shutdown
+from ..parallel import ParallelContext, RankLog, run_and_shut_down
 from ..safetensors_io import build_header, manifest_path
 from .kld import (COMPACT, KldError, KldSide, chunk_bytes, data_offset, first_scored, kld_file_bytes,
                   kld_header, quantise, row_width, scored_rows)
@@ -669,15 +669,6 @@ def _score(o, par, margs, tokenizer, chunks, start, g: Geometry, outputs: Option
 def main(o) -> int:
     """`parity corpus`: 0 done, 2 bad input or a file that cannot be written (one line), 130 interrupted."""
     log = RankLog.from_env()
-    code = 0
-    try:
-        run(o, log)
-    except KNOWN_ERRORS as e:
-        log.error(str(e))
-        code = 2
-    except KeyboardInterrupt:
-        log.error("interrupted: rerun the same command to continue after the last committed batch")
-        code = 130
-    finally:
-        shutdown(ok=code == 0)
-    return code
+    return run_and_shut_down(lambda: run(o, log), log, KNOWN_ERRORS, error_code=2,
+                             interrupted="interrupted: rerun the same command to continue after the last "
+                                         "committed batch")
