@@ -442,6 +442,27 @@ def test_eos_confidence_threshold_and_one_token_prompt(mp1, ckpt):
     assert tokens == one and st.plain_steps >= 1
 
 
+def test_the_step_hook_sees_every_committed_token_and_can_stop(mp1, ckpt):
+    """on_step (what a chat prints while it streams, and where Ctrl-C stops it) gets every committed
+    position's ids once, in order, with the right drafts accepted 5 at a time; asked to stop, the loop ends
+    after the current step, the completion is what the hook saw, and the reason is "interrupted"."""
+    model, r = mp1
+    prompt, plain = ckpt["prompt"], r["plain"]
+    right = lambda pos, d: torch.tensor([plain[pos - PROMPT_LEN:pos - PROMPT_LEN + d.shape[1]]])   # [1, k]
+    seen = []
+    tokens, reasons, _ = speculative_generate_batch(model, [prompt], 20, -1, 0.0, 5, "sequential",
+                                                    draft_hook=right,
+                                                    on_step=lambda ids: bool(seen.append(int(ids[0]))))
+    assert seen == tokens[0] == plain[:20] and reasons == ["length"]
+    seen.clear()
+    tokens, reasons, _ = speculative_generate_batch(model, [prompt], 20, -1, 0.0, 5, "sequential",
+                                                    draft_hook=right,
+                                                    on_step=lambda ids: seen.append(int(ids[0])) or
+                                                    len(seen) >= 3)
+    # the prefill's token, then a step of 5 accepted drafts and the token after them: stopped at 7
+    assert seen == tokens[0] == plain[:7] and reasons == ["interrupted"]
+
+
 def test_sampled_runs_are_reproducible(mp1, ckpt):
     model, r = mp1
     for verify in ("sequential", "chunked"):

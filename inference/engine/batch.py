@@ -22,10 +22,11 @@ def prompt_buffer(prompts: List[List[int]], total_len: int, device,
     return tokens, types
 
 
-def read_completions(tokens: torch.Tensor, lens: List[int], max_new_tokens: int,
-                     eos_id: int) -> Tuple[List[List[int]], List[str]]:
+def read_completions(tokens: torch.Tensor, lens: List[int], max_new_tokens: int, eos_id: int,
+                     stopped: bool = False) -> Tuple[List[List[int]], List[str]]:
     """Per row: the ids after its prompt (at most max_new_tokens, EOS excluded) and the finish reason,
-    "eos" or "length"."""
+    "eos" or "length", or "interrupted" when the loop was `stopped` early (a step hook asked) before the row
+    ended either way."""
     completions, reasons = [], []
     for b, row in enumerate(tokens.tolist()):
         row = [t for t in row[lens[b]:lens[b] + max_new_tokens] if t != -1]
@@ -34,5 +35,5 @@ def read_completions(tokens: torch.Tensor, lens: List[int], max_new_tokens: int,
             reasons.append("eos")
         else:
             completions.append(row)
-            reasons.append("length")
+            reasons.append("interrupted" if stopped and len(row) < max_new_tokens else "length")
     return completions, reasons

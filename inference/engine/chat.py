@@ -95,8 +95,8 @@ class Keyboard:
                 self._set(reply=True)
             yield
         finally:
-            self.stop_asked()   # keys typed after the last step (or in a speculative reply): dropped, as a
-            if self.fd is not None:   # Ctrl-C left queued would end the chat at the next prompt
+            self.stop_asked()   # keys typed after the last step: dropped, as a Ctrl-C left queued would
+            if self.fd is not None:   # end the chat at the next prompt
                 self._set(reply=False)
             signal.signal(signal.SIGINT, old_handler)
 
@@ -218,19 +218,22 @@ class ReplyPrinter:
 
 
 def reply(runner: Runner, prompt: Prompt, stop: StopFlag, out: Optional[TextIO]) -> Optional[Completion]:
-    """One chat reply on every rank, printed on rank 0 to `out` as it is decoded (the speculative loop has
-    no step hook yet: its reply is printed whole); `stop` ends it early. -> as Runner.run (one prompt)."""
+    """One chat reply on every rank, printed on rank 0 to `out` as it is decoded (plainly or speculatively:
+    each committed token in order); `stop` ends it early. -> as Runner.run (one prompt)."""
     printer = ReplyPrinter(out, prompt.thinking_mode == "thinking") if runner.rank == 0 else None
     text = Detokenizer(runner.tokenizer)
+    eos_seen = False     # a speculative step may commit drafts after EOS: they are not the reply
 
     def on_step(ids: torch.Tensor) -> bool:
-        if printer is not None and int(ids[0]) != runner.eos_id:
+        nonlocal eos_seen
+        eos_seen = eos_seen or int(ids[0]) == runner.eos_id
+        if printer is not None and not eos_seen:
             printer.write(text.add(int(ids[0])))
         return stop()
 
     done = runner.run([prompt], ["reply"], always_warn=True, on_step=on_step)[0]
     if printer is not None:
-        printer.write(text.flush() if runner.spec is None else done.text)
+        printer.write(text.flush())
         printer.end()
     return done
 

@@ -105,11 +105,7 @@ def generate(model, prompt_tokens: List[List[int]], max_new_tokens: int, eos_id:
             stopped = cur < total_len - 1
             break
 
-    completions, reasons = read_completions(tokens, lens, max_new_tokens, eos_id)
-    if stopped:
-        reasons = [r if r == "eos" or len(c) == max_new_tokens else "interrupted"
-                   for c, r in zip(completions, reasons)]
-    return completions, reasons
+    return read_completions(tokens, lens, max_new_tokens, eos_id, stopped)
 
 
 
@@ -128,7 +124,7 @@ def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, sta
              on_step: Optional[StepHook] = None) -> Tuple[List[List[int]], List[str]]:
     """One batch of prepared prompts -> completion ids and finish reasons. Timings go to `stats`; with `spec`
     the speculative loop runs instead of plain decoding and its statistics are added to `spec_stats`.
-    `on_step`: see generate(); the speculative loop has no such hook yet and never calls it."""
+    `on_step`: see generate(); the speculative loop calls it once per committed position."""
     types, images = vision_inputs(prompts)
     if spec is None:
         return generate(model, [p.ids for p in prompts], max_new_tokens, eos_id, prompt_token_types=types,
@@ -137,7 +133,8 @@ def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, sta
     try:
         completions, reasons, st = speculative_generate_batch(
             model, [p.ids for p in prompts], max_new_tokens, eos_id, spec.temperature, spec.k, spec.verify,
-            spec.min_confidence, token_types=types, images=images, prefill_chunk=prefill_chunk)
+            spec.min_confidence, token_types=types, images=images, prefill_chunk=prefill_chunk,
+            on_step=on_step)
     except ValueError as e:
         raise InputError(str(e)) from None
     if spec_stats is not None:
@@ -197,7 +194,7 @@ class Runner:
             on_step: Optional[StepHook] = None) -> List[Optional[Completion]]:
         """One batch on every rank; rank 0 gets the parsed completions (and writes their records), the
         other ranks None. Unparsable replies get a warning when they ended with EOS, or always_warn.
-        on_step: see generate() (plain decoding only)."""
+        on_step: see generate()."""
         start = time.perf_counter()
         try:
             ids, reasons = complete(self.model, prompts, self.max_new_tokens, self.eos_id, self.stats,

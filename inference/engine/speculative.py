@@ -169,7 +169,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
                                verify: str = "chunked", min_confidence: Optional[float] = None,
                                draft_hook: Optional[DraftHook] = None,
                                token_types: Optional[List[List[int]]] = None, images=None,
-                               prefill_chunk: Optional[int] = None
+                               prefill_chunk: Optional[int] = None,
+                               on_step: Optional[Callable[[torch.Tensor], bool]] = None
                                ) -> Tuple[List[List[int]], List[str], SpecStats]:
     """Prompts -> (completion ids per prompt, EOS excluded, at most max_new_tokens; finish reasons "eos" /
     "length"; statistics). The buffer and the prompt handling are generate.generate()'s: prompts
@@ -180,7 +181,10 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     so another value is written there). k: drafts verified per step, 1..dspark_block_size (default: all).
     draft_hook(position of the first draft, drafts [B, k]) -> drafts [B, k]: a test hook replacing the
     drafts; when sampling, its drafts count as deterministic proposals (q = one-hot), which keeps the rule
-    exact. token_types (per prompt, TEXT = -1) and images (one list per prompt): as generate() takes them."""
+    exact. token_types (per prompt, TEXT = -1) and images (one list per prompt): as generate() takes them.
+    on_step(ids [B]): called on every rank with each committed position's ids, in order (a step commits one
+    to k+1 of them); when one call returns True the loop ends after the current step and the rows not yet
+    ended get the finish reason "interrupted" (generate()'s hook, as a chat uses it)."""
     a = model.args
     if model.mtp is None:
         raise ValueError("speculative decoding needs the DSpark head "
@@ -209,12 +213,16 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     tokens, types = prompt_buffer(prompts, total_len, device, token_types)
     in_prompt = tokens != -1
     finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+    stop = []                                    # set when on_step asks the loop to end
 
     def commit(pos: int, ids: torch.Tensor) -> None:
-        """Write the chosen ids [B] at position pos (prompt tokens win) and note who emitted EOS."""
+        """Write the chosen ids [B] at position pos (prompt tokens win), note who emitted EOS, and show them
+        to on_step."""
         ids = torch.where(in_prompt[:, pos], tokens[:, pos], ids)
         tokens[:, pos] = ids
         finished.logical_or_(~in_prompt[:, pos] & (ids == eos_id))
+        if on_step is not None and on_step(ids):   # every rank, every committed position (a collective)
+            stop.append(pos)
 
     start = time.perf_counter()
     x, _, hidden = prefill(model, tokens[:, :shortest], None if types is None else types[:, :shortest],
@@ -229,7 +237,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     # its ring slot with the same value), because start_pos 0 means "seed only".
     pending, p0 = (hidden[:, -1:], c) if shortest > 1 else (None, None)
 
-    while c + 2 < total_len and not bool(finished.all()):
+    while c + 2 < total_len and not bool(finished.all()) and not stop:
         # Drafts to verify: positions c+2..c+1+kk must fit in the buffer, and positions c+1..c+1+kk and the
         # next draft block (c'+1..c'+blk, c' <= c+1+kk) below max_seq_len.
         kk = min(k, total_len - 3 - c, max_len - 2 - blk - c)
@@ -307,7 +315,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
 
     _sync(device)
     stats.decode_s = time.perf_counter() - start
-    completions, reasons = read_completions(tokens, lens, max_new_tokens, eos_id)
+    stopped = bool(stop) and not bool(finished.all()) and c + 2 < total_len
+    completions, reasons = read_completions(tokens, lens, max_new_tokens, eos_id, stopped)
     stats.new_tokens = sum(len(t) + (r == "eos") for t, r in zip(completions, reasons))
     stats.reason = reasons[-1]
     return completions, reasons, stats
