@@ -168,7 +168,7 @@ launch_generate() {
             die "MASTER_ADDR=$addr is a loopback address ($resolved), which the other nodes cannot reach:" \
                 "set node 0's network address (ALLOW_LOOPBACK=1: all nodes on this machine)"
         fi
-        launcher=(-m inference.parallel)
+        launcher=(-m inference.tools.launch)
         multi=(--rdzv-conf "timeout=$join")
     fi
     [ -n "$ckpt" ] || die "set CKPT=/path/to/converted/checkpoint (or pass --ckpt-path)"

@@ -104,83 +104,27 @@ def join_ranks(rank: int, world: int, timeout_s: float) -> dist.Store:
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     where, deadline = f"{addr}:{port}", time.monotonic() + timeout_s
     host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if not host and not _reachable(addr, port, deadline):
+    if not host and not reachable(addr, port, deadline):
         raise DistributedError(f"rank {rank} found no rendezvous at {where} within {timeout_s:g} s (is "
                                f"rank 0 running? check MASTER_ADDR, MASTER_PORT and the firewall)")
     try:
         store = dist.TCPStore(addr, port, world, host, timedelta(seconds=timeout_s), wait_for_workers=False,
                               multi_tenant=host)
     except dist.DistError as e:     # rank 0: the port is taken
-        raise DistributedError(f"rank {rank}: no rendezvous at {where}: {_first_line(e)}") from None
+        raise DistributedError(f"rank {rank}: no rendezvous at {where}: {first_line(e)}") from None
     # A torchrun restart reuses the agent's store: its own keys.
     arrived = dist.PrefixStore(f"inference/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     try:
-        missing = _arrive(arrived, rank, world, deadline, host)
+        missing = arrive(arrived, rank, world, deadline, host)
     except dist.DistError as e:
-        raise DistributedError(f"rank {rank} lost the rendezvous at {where}: {_first_line(e)}") from None
+        raise DistributedError(f"rank {rank} lost the rendezvous at {where}: {first_line(e)}") from None
     if missing:
-        raise DistributedError(f"{_span('rank', missing)} of {world} did not join within {timeout_s:g} s "
+        raise DistributedError(f"{span('rank', missing)} of {world} did not join within {timeout_s:g} s "
                                f"(rank {rank} waited on {where}; --join-timeout)")
     return store
 
 
-def join_nodes(node: int, nodes: int, per_node: Optional[int], addr: str, port: int,
-               timeout_s: float) -> dist.Store:
-    """Every node of a multi-node launch arrives at node 0's addr:port within `timeout_s`, else a
-    DistributedError names the nodes (and their ranks) missing and the address. Node 0 hosts the store as a
-    multi-tenant server that torchrun's static rendezvous, started next in the same process, reuses: no
-    second port. Keep the returned store until torchrun has ended."""
-    where, deadline = f"{addr}:{port}", time.monotonic() + timeout_s
-
-    def names(missing: List[int]) -> str:
-        ranks = [r for n in missing for r in range(n * per_node, (n + 1) * per_node)] if per_node else []
-        return _span("node", missing) + (f" ({_span('rank', ranks)})" if ranks else "")
-
-    if node > 0 and not _reachable(addr, port, deadline):
-        raise DistributedError(f"node {node} found no node 0 at {where} within {timeout_s:g} s (start node 0 "
-                               f"with NODE_RANK=0; check MASTER_ADDR, MASTER_PORT and the firewall)")
-    try:
-        store = dist.TCPStore(addr, port, None, node == 0, timedelta(seconds=timeout_s),
-                              wait_for_workers=False, multi_tenant=node == 0)
-    except dist.DistError as e:     # node 0: the port is taken
-        raise DistributedError(f"node {node}: no rendezvous at {where}: {_first_line(e)}") from None
-    print(f"node {node} of {nodes}: waiting up to {timeout_s:g} s on {where} for the other nodes", flush=True)
-    try:
-        missing = _arrive(dist.PrefixStore("inference/nodes", store), node, nodes, deadline, node == 0)
-    except dist.DistError as e:
-        raise DistributedError(f"node {node} lost node 0 at {where}: {_first_line(e)}") from None
-    if missing:
-        raise DistributedError(f"{names(missing)} did not join within {timeout_s:g} s: node {node} waited on "
-                               f"{where} (start run.sh generate with NODE_RANK={','.join(map(str, missing))} "
-                               f"and the same MP, NODES, MASTER_ADDR, MASTER_PORT; JOIN_TIMEOUT)")
-    return store
-
-
-def launch(argv: List[str]) -> int:
-    """`python -m inference.parallel TORCHRUN_ARGS`, run.sh's launcher for several nodes: torchrun, once every
-    node has arrived at --master-addr:--master-port within the rendezvous timeout (--rdzv-conf timeout=S, by
-    default torchrun's 600 s), else one line naming the nodes missing (without it node 0 waits in silence
-    and then ends with a traceback)."""
-    from torch.distributed import run as torchrun
-    args = torchrun.parse_args(argv)
-    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
-    store, nodes, per_node = None, str(args.nnodes), str(args.nproc_per_node)
-    try:
-        if not nodes.isdigit():
-            raise DistributedError(f"--nnodes must be a number of nodes here, got {nodes}")
-        timeout_s = float(conf.get("timeout", 600))
-        if int(nodes) > 1:
-            store = join_nodes(args.node_rank, int(nodes), int(per_node) if per_node.isdigit() else None,
-                               args.master_addr, args.master_port, timeout_s)
-    except (ValueError, DistributedError) as e:     # a bad timeout; a node missing
-        _line(f"run.sh: error: {e}")
-        return 1
-    torchrun.main(argv)
-    del store                                   # node 0: the store lives as long as torchrun's agent
-    return 0
-
-
-def _reachable(addr: str, port: int, deadline: float) -> bool:
+def reachable(addr: str, port: int, deadline: float) -> bool:
     """Whether a TCP connection to addr:port opens before the deadline (tried again every 0.2 s). Probed
     here because TCPStore's own retries log a C++ stack trace at every failed try."""
     while True:
@@ -194,7 +138,7 @@ def _reachable(addr: str, port: int, deadline: float) -> bool:
             time.sleep(0.2)
 
 
-def _arrive(store: dist.Store, me: int, count: int, deadline: float, host: bool) -> List[int]:
+def arrive(store: dist.Store, me: int, count: int, deadline: float, host: bool) -> List[int]:
     """Participant `me` of 0..count-1 arrives, and waits until all have or the deadline passes -> those still
     missing. The host (whose store closes when it stops) first marks the attempt failed and gives the others
     up to 5 s to see it, so that they stop with the same message rather than a lost connection."""
@@ -217,7 +161,7 @@ def _arrive(store: dist.Store, me: int, count: int, deadline: float, host: bool)
     return missing
 
 
-def _span(what: str, ids: List[int]) -> str:
+def span(what: str, ids: List[int]) -> str:
     """('rank', [2, 3, 5]) -> 'ranks 2-3, 5'; ('node', [1]) -> 'node 1'."""
     parts, i = [], 0
     while i < len(ids):
@@ -229,7 +173,7 @@ def _span(what: str, ids: List[int]) -> str:
     return f"{what}{'s' if len(ids) > 1 else ''} {', '.join(parts)}"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -289,6 +233,3 @@ def _line(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
 
-
-if __name__ == "__main__":
-    sys.exit(launch(sys.argv[1:]))

@@ -126,7 +126,7 @@ def test_readme_example_is_a_valid_launch(tmp_path):
     proc = finish([start(["bash", RUN_SH, "generate", *args], dict(env, CKPT=str(tmp_path), DRY_RUN="1"))])[0]
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.split()
-    assert cmd[1:3] == ["-m", "inference.parallel"]
+    assert cmd[1:3] == ["-m", "inference.tools.launch"]
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc-per-node") + 1] == str(mp // 2)
     assert cmd[cmd.index("--master-addr") + 1] == env["MASTER_ADDR"]
     assert cmd[cmd.index("--rdzv-conf") + 1] == "timeout=300"
