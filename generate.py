@@ -109,7 +109,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
     add("--cuda-graph", action="store_true", help="decode steps as CUDA graphs, one per batch size, length "
-        "bucket and parity (plain generation on a GPU; not yet run on one)")
+        "bucket and parity (plain generation on a GPU)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if available)")
     add("--threads", type=int, default=None,
