@@ -4,6 +4,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, List, Optional
@@ -18,6 +19,9 @@ from .config import ConfigError
 DIST_TIMEOUT_MIN = 60.0
 # Every rank (and, with several nodes, every node) must arrive at the rendezvous within this many seconds.
 JOIN_TIMEOUT_S = 300.0
+# Rank 0's broadcasts may wait on a person (the chat's prompt): they go through a gloo group of their own with
+# this deadline, so that an idle chat does not end at the collectives' --dist-timeout.
+IDLE_TIMEOUT = timedelta(days=7)
 
 
 class DistributedError(ConfigError):
@@ -30,6 +34,9 @@ class ParallelContext:
     world_size: int = 1
     rank: int = 0
     group: Optional[object] = None  # torch.distributed process group (None = default group)
+    # broadcast_object's gloo group (see IDLE_TIMEOUT), held weakly: torch.distributed owns it, and a group
+    # kept alive past destroy_process_group keeps its threads until the interpreter ends (see shutdown)
+    control: Optional[weakref.ref] = None
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -58,6 +65,7 @@ class ParallelContext:
             store.set_timeout(timeout)      # NCCL trades its ids through the store at the first collective
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout,
                                     store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world)
+            return cls(world, rank, None, weakref.ref(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)))
         return cls(world, rank, None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +84,8 @@ class ParallelContext:
         if self.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        control = self.control() if self.control is not None else None
+        dist.broadcast_object_list(box, src=src, group=control if control is not None else self.group)
         return box[0]
 
     def from_rank0(self, fn, catch=(ValueError, OSError)):

@@ -324,3 +324,21 @@ def test_chat_on_a_pipe_stops_a_reply_on_sigint(tiny):
         s.close()
     assert "[thinking]\n" in s.text() and "\x1b[" not in s.text()    # no terminal, no ANSI codes
     check_interrupted(read_jsonl(out), 1)
+
+
+def test_a_chat_waits_at_its_prompt_longer_than_the_collectives_timeout(tiny):
+    """The ranks wait for rank 0's next command while a person reads and types: that wait goes through a
+    group of its own (ParallelContext.control), not the collectives' --dist-timeout, which here is 6 s and
+    would end every rank of an idle chat (it did before: rank 1's broadcast timed out)."""
+    out = tiny["root"] / "chat_idle.jsonl"
+    s = Session(chat_command(tiny, 2, out, "--dist-timeout", "0.1", "--max-new-tokens", "8"), tty=False)
+    try:
+        s.expect(b">>> ", START_WAIT)
+        time.sleep(9)                                                # idle past the 6 s
+        s.send(b"Hello\n")
+        s.expect(b">>> ")                                            # the reply came, on both ranks
+        s.proc.stdin.close()
+        assert s.wait() == 0, s.text()
+    finally:
+        s.close()
+    assert [r["finish_reason"] for r in read_jsonl(out)] in (["length"], ["eos"])
