@@ -631,7 +631,10 @@ def _launch_batched(fn: str, call, rows, fixed, out):
     if max(t.numel() for t in (*rows, *fixed, out)) <= MAX_ELEMS:
         call(rows, fixed, out)
         return
-    _spans(1, max(t[0].numel() for t in fixed), fn, "batch item's keys")   # raises when one is too large
+    per_item = max(t[0].numel() for t in fixed)
+    if per_item > MAX_ELEMS:                         # keys are not cut: one batch item's must fit
+        raise ValueError(f"{fn}: one batch item's keys has {per_item} elements, over the kernels' limit "
+                         f"{MAX_ELEMS}")
     per_row = max(t[0, 0].numel() for t in (*rows, out))
     for i in range(out.shape[0]):
         for r in _spans(out.shape[1], per_row, fn, "row"):
