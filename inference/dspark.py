@@ -1,5 +1,6 @@
 """DSpark draft head (checkpoint `mtp.0..K`): window-only stages seeded with the main model's KV, a Markov
 head that chains the drafts and a confidence head (docs/architecture.md §11.1-11.4)."""
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -77,8 +78,10 @@ class DSpark(nn.ModuleList):
         self._shared = (embed, head)
 
     @torch.inference_mode()
-    def forward_spec(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int):
-        """input_ids [B] (the token at position start_pos + m), main_hidden [B, m, n_targets*D].
+    def forward_spec(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int,
+                     temperature: Optional[float] = None):
+        """input_ids [B] (the token at position start_pos + m), main_hidden [B, m, n_targets*D]; the drafts
+        are sampled at `temperature` (None: the config's).
 
         start_pos = 0 only seeds the rings and returns None; otherwise returns
         (draft ids [B, blk+1], draft logits [B, blk, V] fp32 with the Markov bias, confidence [B, blk])."""
@@ -95,7 +98,7 @@ class DSpark(nn.ModuleList):
         pre[..., 0] = 1
         for stage in self:
             x, pre = stage(x, start_pos, pre, None, main_x=main_x)
-        return self.forward_head(x, pre, input_ids)
+        return self.forward_head(x, pre, input_ids, temperature)
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
         first = self[0]
@@ -110,8 +113,10 @@ class DSpark(nn.ModuleList):
         for stage in self:
             stage.attn.write_main_kv(main_x, start_pos)
 
-    def forward_head(self, x: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor):
+    def forward_head(self, x: torch.Tensor, pre: torch.Tensor, input_ids: torch.Tensor,
+                     temperature: Optional[float] = None):
         a = self.ctx.args
+        temperature = a.temperature if temperature is None else temperature
         last = self[-1]
         _, head = self._shared
         hidden = hc_pre(x, pre, self.ctx.numerics)                              # [B, blk, D]
@@ -123,7 +128,7 @@ class DSpark(nn.ModuleList):
         for i in range(blk):
             e = last.markov_head.embed(out[:, i])                                # [B, rank] bf16
             logits[:, i] += last.markov_head.head(e, all_positions=True)
-            out[:, i + 1] = sample(logits[:, i], a.temperature, self.ctx.numerics)
+            out[:, i + 1] = sample(logits[:, i], temperature, self.ctx.numerics)
             embs.append(e)
         feats = torch.cat([hidden, torch.stack(embs, dim=1)], dim=-1).float()    # [B, blk, D + rank]
         confidence = last.confidence_head.proj(feats).squeeze(-1)               # [B, blk]

@@ -138,7 +138,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
                 token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
                 capture: Optional[Dict[str, List[torch.Tensor]]] = None, prefill: Optional[bool] = None,
-                step: Optional[DecodeStep] = None):
+                step: Optional[DecodeStep] = None, temperature: Optional[float] = None):
         """input_ids [B, S] at positions [start_pos, start_pos + S) -> (next_ids [B], logits [B, V] (or
         [B, S, V] with all_logits) fp32, main_hidden [B, S, len(targets)*D] bf16 or None).
 
@@ -150,6 +150,7 @@ class Transformer(nn.Module):
         `step` (a DecodeStep): one decode step at the device position step.pos, start_pos unused: the step
         a CUDA graph captures and replays at every position of a length bucket (engine/cuda_graph.py).
 
+        `temperature`: how next_ids are sampled (0 = argmax; None: the config's temperature).
         `capture` (parity bisection, inference/parity.py) receives lists of this call's tensors:
         one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
         engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
@@ -189,7 +190,8 @@ class Transformer(nn.Module):
         finally:
             self.ctx.prefilling = self.ctx.decode_shapes = False
             self.ctx.step = None
-        next_ids = sample(logits[:, -1] if all_logits else logits, a.temperature, self.nx)
+        temperature = a.temperature if temperature is None else temperature
+        next_ids = sample(logits[:, -1] if all_logits else logits, temperature, self.nx)
         return next_ids, logits, main_hidden
 
     def blocks(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, hashes, image_mask, engram_mask,
