@@ -7,11 +7,11 @@ import torch.nn as nn
 
 from .attention import Attention
 from .engram import Engram
-from .hyper import hc_mixes, hc_post, hc_pre
+from .hyper import MixConfig, MixWeights, hc_mixes, hc_post, hc_pre
 from .kernels import Derived
 from .layers import RMSNorm
 from .moe import MoE
-from .state import ModelContext
+from .state import ForwardCall, ModelContext
 
 
 def empty_param(shape, dtype=torch.float32):
@@ -38,31 +38,31 @@ class Block(nn.Module):
         else:  # DSpark stages: their own expert count and top-k; bias_vl is stored but drafts are text
             self.ffn = MoE(ctx, a.dspark_experts, a.dspark_topk, with_bias_vl=a.vision_n_layers > 0)
         n_mix, width = (2 + a.hc_mult) * a.hc_mult, a.hc_mult * a.dim
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", empty_param((n_mix, width)))
-            self.register_parameter(f"hc_{site}_base", empty_param((n_mix,)))
-            self.register_parameter(f"hc_{site}_scale", empty_param((3,)))
+        # Checkpoint names hc_{attn,ffn}_{fn,base,scale}.
+        self.hc_attn_fn, self.hc_attn_base = empty_param((n_mix, width)), empty_param((n_mix,))
+        self.hc_attn_scale = empty_param((3,))
+        self.hc_ffn_fn, self.hc_ffn_base = empty_param((n_mix, width)), empty_param((n_mix,))
+        self.hc_ffn_scale = empty_param((3,))
+        self.mix_cfg = MixConfig(a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
         self.derived = Derived()     # what the numerics lay out from hc_attn_fn / hc_ffn_fn
         self.engram = None
         if backbone and layer_id in a.engram_layer_ids:
             self.engram = Engram(a.engram_layer_ids.index(layer_id), ctx)
 
-    def mixes(self, x: torch.Tensor, site: str):
-        a = self.ctx.args
-        fn, scale, base = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
-        mix = lambda u: hc_mixes(u, fn, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps,
-                                 self.nx, self.derived)
-        return self.ctx.per_position(mix, x)
+    def mixes(self, x: torch.Tensor, w: MixWeights, call: ForwardCall):
+        return call.per_position(lambda u: hc_mixes(u, w, self.mix_cfg, self.nx, self.derived), x)
 
-    def forward(self, x: torch.Tensor, start_pos: int, pre_mix: torch.Tensor,
+    def forward(self, x: torch.Tensor, call: ForwardCall, pre_mix: torch.Tensor,
                 image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
         """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
         nx, residual = self.nx, x
-        pre_a, post_a, comb_a = self.mixes(x, "attn")
-        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, nx)), start_pos, **attn_kwargs)   # [B, S, D]
+        pre_a, post_a, comb_a = self.mixes(x, MixWeights(self.hc_attn_fn, self.hc_attn_base,
+                                                         self.hc_attn_scale), call)
+        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, nx)), call, **attn_kwargs)        # [B, S, D]
         x = hc_post(y, residual, post_a, comb_a, nx)                                      # [B, S, hc, D]
         residual = x
-        pre_f, post_f, comb_f = self.mixes(x, "ffn")
-        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, nx)), image_mask)
+        pre_f, post_f, comb_f = self.mixes(x, MixWeights(self.hc_ffn_fn, self.hc_ffn_base,
+                                                         self.hc_ffn_scale), call)
+        y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, nx)), call, image_mask)
         x = hc_post(y, residual, post_f, comb_f, nx)
         return x, pre_f

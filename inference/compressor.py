@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from .layers import Linear, RMSNorm
-from .state import ModelContext
+from .state import ForwardCall, Kind, ModelContext
 
 
 class Compressor(nn.Module):
@@ -30,46 +30,50 @@ class Compressor(nn.Module):
             self.register_buffer("score_state", torch.full(shape, float("-inf"), dtype=torch.float32),
                                  persistent=False)
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> Optional[torch.Tensor]:
+    def forward(self, x: torch.Tensor, call: ForwardCall) -> Optional[torch.Tensor]:
+        """x [B, S, D] -> the call's completed groups' latents [B, n, hd] (None if none completes)."""
         b, s, _ = x.shape
         if self.ratio == 1:
             return self.norm(self.wkv(x))                            # [B, S, hd]
         xf = x.float()
-        kv = self.ctx.per_position(self.wkv, xf)                     # [B, S, hd] fp32 (verification: a
-        score = self.ctx.per_position(self.wgate, xf)                # decode step's shape per position)
-        step = self.ctx.step           # a CUDA graph's decode step: only the position's parity is known here
-        if step is None and (start_pos == 0 or s > 1 and not self.ctx.decode_shapes):
-            # A prefill, or a chunk of one: whole groups pooled at once. A group the last call left open
-            # (start_pos odd) starts with the carried tail; an odd last token becomes the new tail.
-            if start_pos % 2:
-                kv = torch.cat([self.kv_state[:b, :1], kv], dim=1)
-                score = torch.cat([self.score_state[:b, :1], score], dim=1)
-            m = kv.shape[1]
-            n = m // 2
-            if m % 2:
-                self.kv_state[:b, 0] = kv[:, -1]
-                self.score_state[:b, 0] = score[:, -1]
-            self.journal = None
-            if n == 0:
-                return None
-            kv = kv[:, :2 * n].unflatten(1, (n, 2))                  # [B, n, 2, hd]
-            score = score[:, :2 * n].unflatten(1, (n, 2))
-            pooled = self._pool(kv, score, 2)                        # [B, n, hd]
+        kv = call.per_position(self.wkv, xf)                         # [B, S, hd] fp32 (verification: a
+        score = call.per_position(self.wgate, xf)                    # decode step's shape per position)
+        if call.kind in (Kind.PREFILL, Kind.CHUNK):
+            pooled = self._pool_groups(kv, score, call.start)
         else:
-            # Decode, or a verification call processed position by position exactly as decode does (the
-            # group slot and whether a group completes depend on the position's parity alone).
-            start_pos = start_pos if step is None else step.parity
+            # DECODE, or a VERIFY processed position by position exactly as decode does (the group slot and
+            # whether a group completes depend on the position's parity alone: all a graph's step knows).
             if s > 1:
-                self.journal = (start_pos, self.kv_state[:b].clone(), self.score_state[:b].clone(), kv, score)
+                state = self.kv_state[:b].clone(), self.score_state[:b].clone()
+                self.journal = (call.start, *state, kv, score)
             pooled = []
             for i in range(s):
-                self._store(start_pos + i, kv[:, i], score[:, i])
-                if (start_pos + i + 1) % 2 == 0:
+                self._store(call.parity + i, kv[:, i], score[:, i])
+                if (call.parity + i + 1) % 2 == 0:
                     pooled.append(self._pool(self.kv_state[:b], self.score_state[:b], 1).unsqueeze(1))
-            if not pooled:
-                return None
-            pooled = torch.cat(pooled, dim=1)                        # [B, n, hd]
+            pooled = torch.cat(pooled, dim=1) if pooled else None  # [B, n, hd]
+        if pooled is None:
+            return None
         return self.norm(pooled.to(x.dtype))                         # bf16 first, then RMSNorm
+
+    def _pool_groups(self, kv: torch.Tensor, score: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+        """A prefill, or a chunk of one: whole groups pooled at once. A group the last call left open (start
+        odd) starts with the carried tail; an odd last token becomes the new tail. -> [B, n, hd] or None."""
+        b = kv.shape[0]
+        if start % 2:
+            kv = torch.cat([self.kv_state[:b, :1], kv], dim=1)
+            score = torch.cat([self.score_state[:b, :1], score], dim=1)
+        m = kv.shape[1]
+        n = m // 2
+        if m % 2:
+            self.kv_state[:b, 0] = kv[:, -1]
+            self.score_state[:b, 0] = score[:, -1]
+        self.journal = None
+        if n == 0:
+            return None
+        kv = kv[:, :2 * n].unflatten(1, (n, 2))                      # [B, n, 2, hd]
+        score = score[:, :2 * n].unflatten(1, (n, 2))
+        return self._pool(kv, score, 2)                              # [B, n, hd]
 
     def _pool(self, kv: torch.Tensor, score: torch.Tensor, dim: int) -> torch.Tensor:
         """Per-channel softmax pooling over the group's tokens (`dim`)."""

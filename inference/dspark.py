@@ -10,7 +10,7 @@ from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
 from .block import Block
 from .sampling import sample
-from .state import ModelContext
+from .state import ForwardCall, ModelContext
 
 
 class DSparkAttention(Attention):
@@ -19,19 +19,21 @@ class DSparkAttention(Attention):
 
     def write_main_kv(self, main_x: torch.Tensor, start_pos: int) -> None:
         b, m, _ = main_x.shape
-        kv = self.project_kv(main_x, slice(start_pos, start_pos + m))          # [B, m, hd]
+        positions = torch.arange(start_pos, start_pos + m, device=main_x.device)
+        kv = self.project_kv(main_x, positions)                                 # [B, m, hd]
         keep = min(m, self.window)
-        slots = torch.arange(start_pos + m - keep, start_pos + m, device=main_x.device) % self.window
-        self.kv_cache[:b, slots] = kv[:, m - keep:]
+        self.kv_cache[:b, positions[m - keep:] % self.window] = kv[:, m - keep:]
 
-    def forward(self, x: torch.Tensor, start_pos: int, main_x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: ForwardCall, main_x: torch.Tensor) -> torch.Tensor:
+        """x [B, blk, D]: the draft block at call.positions, right after the main model's m positions of
+        main_x [B, m, D] (written into the ring first)."""
         b, blk, _ = x.shape
-        m = main_x.shape[1]
+        start_pos = call.start - main_x.shape[1]
         self.write_main_kv(main_x, start_pos)
-        pos = slice(start_pos + m, start_pos + m + blk)
+        pos = call.positions
         q, _ = self.project_q(x, pos)
         kv_all = torch.cat([self.kv_cache[:b], self.project_kv(x, pos)], dim=1)  # [B, W + blk, hd]
-        n_ring = min(self.window, start_pos + m)
+        n_ring = min(self.window, call.start)
         idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
         idx = idx.to(x.device).expand(b, blk, -1)
         o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, blk, H_l, hd]
@@ -96,8 +98,9 @@ class DSpark(nn.ModuleList):
         x = embed(ids).unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                 # [B, blk, hc, D]
         pre = torch.zeros(b, blk, a.hc_mult, dtype=torch.float32, device=x.device)
         pre[..., 0] = 1
+        call = ForwardCall.draft(start_pos + main_x.shape[1], blk, x.device)
         for stage in self:
-            x, pre = stage(x, start_pos, pre, None, main_x=main_x)
+            x, pre = stage(x, call, pre, None, main_x=main_x)
         return self.forward_head(x, pre, input_ids, temperature)
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:

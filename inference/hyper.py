@@ -1,16 +1,34 @@
 """Hyper-connections (mHC): mixes, Sinkhorn split, collapse (pre) and expand (post). All fp32 math; `nx` is
 the model's numerics (the GEMM, the reductions and Sinkhorn depend on the summation order)."""
+from dataclasses import dataclass
+
 import torch
 
 
-def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-             iters: int, hc_eps: float, norm_eps: float, nx, derived):
+@dataclass(frozen=True)
+class MixWeights:
+    """One site's mix weights: fn [(2 + hc) * hc, hc * D] fp32, base [(2 + hc) * hc], scale [3]."""
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MixConfig:
+    """The mix's constants: streams, Sinkhorn iterations and epsilon, the RMS epsilon."""
+    hc: int
+    iters: int
+    hc_eps: float
+    norm_eps: float
+
+
+def hc_mixes(x: torch.Tensor, w: MixWeights, cfg: MixConfig, nx, derived):
     """x [B, S, hc, D] bf16 -> (pre, post, comb) from one rsqrt over all hc*D values per token. `derived`:
-    where the layouts of `fn` are kept (its block's)."""
+    where the layouts of w.fn are kept (its block's)."""
     u = x.flatten(2).float()                                        # [B, S, hc*D]
-    rsqrt = nx.rsqrt(nx.mean(u * u, -1, keepdim=True) + norm_eps)
-    mixes = nx.dense(u, fn, derived) * rsqrt                        # GEMM first, then the scalar
-    return nx.hc_split_sinkhorn(mixes, scale, base, hc, iters, hc_eps)
+    rsqrt = nx.rsqrt(nx.mean(u * u, dim=-1, keepdim=True) + cfg.norm_eps)
+    mixes = nx.dense(u, w.fn, derived) * rsqrt                      # GEMM first, then the scalar
+    return nx.hc_split_sinkhorn(mixes, w.scale, w.base, cfg.hc, cfg.iters, cfg.hc_eps)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor, nx) -> torch.Tensor:

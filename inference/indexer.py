@@ -8,7 +8,7 @@ from .config import ModelArgs
 from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm
 from .rope import apply_rotary_
-from .state import ModelContext
+from .state import ForwardCall, Kind, ModelContext
 
 
 def topk_indices(x: torch.Tensor, k: int, deterministic: bool, sorted: bool = True) -> torch.Tensor:
@@ -69,65 +69,46 @@ class Indexer(nn.Module):
             register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                              args.index_head_dim), "fp4_ue8m0", ctx)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], start_pos: int,
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], call: ForwardCall,
                 offset: int) -> torch.Tensor:
+        """-> [B, S, k] int32 rows of kv_all (the compressed rows start at `offset`), -1 = none."""
         b, s, _ = x.shape
-        end, r, st, nx, step = start_pos + s, self.ratio, self.ctx.shared, self.nx, self.ctx.step
-        freqs = self.ctx.compress_freqs
+        ex, nx, plan, opts = call.exchange, self.nx, call.ratios[self.ratio], self.ctx.opts
+        shared, freqs = self.ctx.shared, self.ctx.compress_freqs
         if self.owns_keys and latent is not None:
-            rows, group_pos = compressed_rows(start_pos, latent.shape[1], r, step, x.device)
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
-            apply_rotary_(k[..., -self.rope_dim:], freqs[group_pos], nx)
+            apply_rotary_(k[..., -self.rope_dim:], freqs[plan.rope_pos], nx)
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
-            self.k_cache[:b, rows] = k
-            st.index_k = self.k_cache
-        elif self.owns_keys and (self.ctx.opts.fix_index_k_publish or self.ctx.prefilling):
-            st.index_k = self.k_cache        # a prefill chunk publishes what the whole prefill would have
+            self.k_cache[:b, plan.rows] = k
+            shared.index_k = self.k_cache
+        elif self.owns_keys and (opts.fix_index_k_publish or call.publish):
+            shared.index_k = self.k_cache    # a prefill chunk publishes what the whole prefill would have
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
-        rows = slice(start_pos, end) if step is None else step.pos.view(1)
-        apply_rotary_(q[..., -self.rope_dim:], freqs[rows], nx)
+        apply_rotary_(q[..., -self.rope_dim:], freqs[call.positions], nx)
         nx.fp4_qdq_e8m0_(q)
-        t = end // r if step is None else step.length // r        # a CUDA graph's step: its bucket
-        keys = st.index_k[:b, :t]                                    # [B, T, ihd]
+        t = plan.keys
+        keys = shared.index_k[:b, :t]                                # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
-        if (s > 1 and self.ctx.decode_shapes and self.owns_keys and not self.ctx.opts.fix_index_k_publish
-                and st.index_k_at_call_start is not None and r > 1):
+        if (call.kind == Kind.VERIFY and self.owns_keys and not opts.fix_index_k_publish
+                and ex.index_k_at_start is not None and self.ratio > 1):
             # Verification in reference numerics: a row whose group is still incomplete would, decoded alone,
             # not have published its keys and would score against the stale published cache
             # (docs/numerics.md §14.1).
-            stale_score = nx.index_scores(q, st.index_k_at_call_start[:b, :t], w, self.ctx.par)
-            incomplete = (torch.arange(start_pos, end, device=x.device) + 1) % r != 0
+            stale_score = nx.index_scores(q, ex.index_k_at_start[:b, :t], w, self.ctx.par)
+            incomplete = (call.positions + 1) % self.ratio != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        if step is not None:                                         # the bucket's rows past pos: masked
-            lens = ((step.pos + 1) // r).view(1)
-            score = score.masked_fill(torch.arange(t, device=x.device) >= lens, float("-inf"))
-        elif start_pos == 0:
-            lens = torch.arange(1, s + 1, device=x.device) // r      # visible groups per query
+        lens = plan.visible                                          # [S] groups visible to each query
+        if call.kind != Kind.DECODE or call.start is None:           # (a decode step at an int position
+            # sees all t rows; a graph's step masks its bucket's rows past its position)
             score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
-        else:
-            lens = torch.full((s,), t, device=x.device)
-            if s > 1:
-                lens = (torch.arange(start_pos, end, device=x.device) + 1) // r
-                score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1),
-                                          float("-inf"))
         if self.is_candidate_source:
             a = self.ctx.args
-            st.candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks,
-                                                    a.candidate_block_size, self.ctx.opts.deterministic_topk)
+            ex.candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks,
+                                                    a.candidate_block_size, opts.deterministic_topk)
         elif self.uses_candidates:
-            score = score.masked_fill(~st.candidates, float("-inf"))
-        top = topk_indices(score, min(self.topk, t), self.ctx.opts.deterministic_topk, sorted=False)
+            score = score.masked_fill(~ex.candidates, float("-inf"))
+        top = topk_indices(score, min(self.topk, t), opts.deterministic_topk, sorted=False)
         top = top.sort(dim=-1).values
         top = torch.where(top < lens.view(1, -1, 1), top + offset, -1)
         return top.to(torch.int32)                                   # [B, S, k]
-
-
-def compressed_rows(start_pos: int, n: int, ratio: int, step=None, device=None):
-    """Where a call's n new compressed entries go: (their cache rows, the RoPE position of each, the first
-    token of its group). In a CUDA graph's decode step, from the tensor position."""
-    if step is not None:
-        rows = (step.pos // ratio).view(1)
-        return rows, rows * ratio
-    first = start_pos // ratio
-    return slice(first, first + n), (first + torch.arange(n, device=device)) * ratio

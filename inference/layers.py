@@ -111,14 +111,15 @@ class ParallelHead(nn.Module):
         self.weight = _param((vocab_size // ctx.par.world_size, dim), torch.float32)
         self.derived = Derived()
 
-    def forward(self, x: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, all_positions: bool = False, call=None) -> torch.Tensor:
         """x [B, S, D] -> logits [B, V] of the last position, or [B, S, V] with all_positions. In a
-        verification extend, one GEMV per position (the shape a decode step uses, so each row equals decoding
-        it alone), still one all-gather."""
+        verification (`call`, a ForwardCall, one by one), one GEMV per position (the shape a decode step uses,
+        so each row equals decoding it alone), still one all-gather."""
         if not all_positions:
             x = x[:, -1]
         logits_of = lambda u: self.nx.dense(u.float(), self.weight, self.derived)   # [B, (S,) V/W] fp32
-        logits = self.ctx.per_position(logits_of, x) if all_positions else logits_of(x)
+        one_by_one = all_positions and call is not None
+        logits = call.per_position(logits_of, x) if one_by_one else logits_of(x)
         return self.ctx.par.all_gather_cat(logits, dim=-1)
 
 

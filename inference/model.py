@@ -16,7 +16,7 @@ from .kernels import drop_derived
 from .layers import ParallelEmbedding, ParallelHead, RMSNorm
 from .parallel import ParallelContext
 from .sampling import sample
-from .state import DecodeStep, ModelContext
+from .state import DecodeStep, ForwardCall, ModelContext
 from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddings
 
 
@@ -134,6 +134,17 @@ class Transformer(nn.Module):
             raise ValueError(f"a verification call (several positions at start_pos > 0, not a prefill) "
                              f"takes at most window_size={a.window_size} tokens")
 
+    def describe(self, start_pos: int, s: int, prefill: Optional[bool] = None,
+                 step: Optional[DecodeStep] = None) -> ForwardCall:
+        """The descriptor of a call over positions [start_pos, start_pos + s) (see forward), or of a graph's
+        decode step at the tensor position step.pos (start_pos then unused: no layer reads an int one)."""
+        published = self.ctx.shared.index_k
+        if step is not None:
+            return ForwardCall.graph_step(step, self.args, published)
+        prefill = start_pos == 0 if prefill is None else prefill
+        return ForwardCall.make(start_pos, s, prefill, self.args, self.nx.rows_independent, self.ctx.device,
+                                published)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
                 token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
@@ -155,11 +166,10 @@ class Transformer(nn.Module):
         one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
         engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
         a = self.args
-        if step is not None:
-            start_pos, prefill = -1, False      # no layer may read an int position: a graph would keep it
-        prefill = start_pos == 0 if prefill is None else prefill
         if step is None:
+            prefill = start_pos == 0 if prefill is None else prefill
             self.check_inputs(input_ids, start_pos, prefill)
+        call = self.describe(start_pos, input_ids.shape[1], prefill, step)
         b, s = input_ids.shape
         image_mask = token_types >= 0 if token_types is not None else None
         engram_mask = ~image_mask if image_mask is not None else None
@@ -167,8 +177,8 @@ class Transformer(nn.Module):
         if a.engram_layer_ids:
             if self.engram_hasher is None:
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
-            at = None if step is None else step.pos.view(1)
-            hashes = self.engram_hasher.hash(input_ids, start_pos, engram_mask, at)   # [B, S, n_eng, cols]
+            at = None if step is None else call.positions
+            hashes = self.engram_hasher.hash(input_ids, call.start or 0, engram_mask, at)  # [B, S, n_e, cols]
             if capture is not None:
                 capture["engram_hashes"] = [hashes]
         h = self.embed(input_ids)                                                   # [B, S, D]
@@ -177,24 +187,17 @@ class Transformer(nn.Module):
         x = h.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                               # [B, S, hc, D]
         pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1                                                              # one-hot on stream 0
-        self.ctx.shared.index_k_at_call_start = self.ctx.shared.index_k
-        self.ctx.shared.candidates = None   # written and read within a call; None = not computed in this one
-        self.ctx.prefilling, self.ctx.decode_shapes, self.ctx.step = prefill, not prefill and s > 1, step
-        try:
-            x, pre, main_hidden = self.blocks(x, pre, start_pos, hashes, image_mask, engram_mask, capture)
-            x = self.norm(hc_pre(x, pre, self.nx))
-            if capture is not None:
-                capture["final_norm"] = [x]
-            # Verification: per-position GEMVs, so every verified position's logits equal decoding it alone.
-            logits = self.head(x, all_positions=all_logits)                         # [B, V] / [B, S, V]
-        finally:
-            self.ctx.prefilling = self.ctx.decode_shapes = False
-            self.ctx.step = None
+        x, pre, main_hidden = self.blocks(x, pre, call, hashes, image_mask, engram_mask, capture)
+        x = self.norm(hc_pre(x, pre, self.nx))
+        if capture is not None:
+            capture["final_norm"] = [x]
+        # Verification: per-position GEMVs, so every verified position's logits equal decoding it alone.
+        logits = self.head(x, all_positions=all_logits, call=call)                  # [B, V] / [B, S, V]
         temperature = a.temperature if temperature is None else temperature
         next_ids = sample(logits[:, -1] if all_logits else logits, temperature, self.nx)
         return next_ids, logits, main_hidden
 
-    def blocks(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, hashes, image_mask, engram_mask,
+    def blocks(self, x: torch.Tensor, pre: torch.Tensor, call: ForwardCall, hashes, image_mask, engram_mask,
                capture) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The stack: x [B, S, hc, D] -> (x, the last block's pre mix, DSpark's main_hidden or None)."""
         a = self.args
@@ -202,17 +205,17 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 rows = hashes[:, :, a.engram_layer_ids.index(i)]
-                x = self.ctx.per_position(layer.engram, x, rows, engram_mask)
+                x = call.per_position(layer.engram, x, rows, engram_mask)
                 if capture is not None:
                     capture.setdefault("engram_out", []).append(x)
             if i in a.dspark_target_layer_ids:
                 main_hiddens.append(self.nx.mean(x, dim=2))                         # the block *input*
-            x, pre = layer(x, start_pos, pre, image_mask)
+            x, pre = layer(x, call, pre, image_mask)
             if capture is not None:
                 capture.setdefault("block_out", []).append(x)
                 capture.setdefault("block_pre_mix", []).append(pre)
                 if i in a.index_source_layers:
-                    capture[f"indexer_idxs.layer{i}"] = [self.ctx.shared.topk_idxs]
-                if i == a.candidate_source_layer and self.ctx.shared.candidates is not None:
-                    capture["candidates"] = [self.ctx.shared.candidates]
+                    capture[f"indexer_idxs.layer{i}"] = [call.exchange.topk_idxs]
+                if i == a.candidate_source_layer and call.exchange.candidates is not None:
+                    capture["candidates"] = [call.exchange.candidates]
         return x, pre, torch.cat(main_hiddens, dim=-1) if main_hiddens else None

@@ -8,7 +8,7 @@ import torch.nn as nn
 from .indexer import topk_indices
 from .kernels import Derived
 from .layers import Linear, linear_tensors
-from .state import ModelContext
+from .state import ForwardCall, ModelContext
 
 
 class Gate(nn.Module):
@@ -110,11 +110,11 @@ class MoE(nn.Module):
             return None
         return {p: (w[e], None if s is None else s[e]) for p, (w, s) in self.stacked.items()}
 
-    def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: ForwardCall, image_mask: Optional[torch.Tensor] = None):
         shape = x.shape
         x = x.view(-1, shape[-1])                                    # [N, D]
         mask = image_mask.reshape(-1) if image_mask is not None else None
-        weights, idx = self.ctx.per_position(self.gate, x, mask, dim=0)                  # [N, k] each
+        weights, idx = call.per_position(self.gate, x, mask, dim=0)                      # [N, k] each
         y = self.nx.routed_experts(self, x, weights, idx, decode=shape[1] == 1)          # this rank's share
         y = self.nx.combine_experts(self.ctx.par.all_reduce(y), idx)                     # [N, D] fp32
         y += self.shared_experts(x)

@@ -1,6 +1,8 @@
-"""Objects shared by the attention layers of one model: RoPE tables and the cross-layer attention state."""
+"""What a layer needs besides its weights: the model's context (config, parallelism, options, numerics, RoPE
+tables, the published index keys), and the descriptor of the call it is part of (ForwardCall)."""
+import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -12,19 +14,22 @@ from .rope import precompute_freqs_cis
 
 @dataclass
 class SharedAttentionState:
-    """Written by source layers and read by later layers in the same call (docs/architecture.md §6.3).
-
-    `index_k` persists across calls on purpose: the official code reads a stale one (docs/numerics.md §14.1).
-    """
-    compress_kv: Optional[torch.Tensor] = None
+    """The index keys last published by an index-key owner: read by later layers and, on purpose, kept across
+    calls (the official code reads a stale one, docs/numerics.md §14.1)."""
     index_k: Optional[torch.Tensor] = None
-    topk_idxs: Optional[torch.Tensor] = None
-    candidates: Optional[torch.Tensor] = None
-    index_k_at_call_start: Optional[torch.Tensor] = None   # extend's emulation of docs/numerics.md §14.1
 
     def reset(self):
-        self.compress_kv = self.index_k = self.topk_idxs = self.candidates = None
-        self.index_k_at_call_start = None
+        self.index_k = None
+
+
+@dataclass
+class Exchange:
+    """What a call's source layers hand to its later layers (docs/architecture.md §6.3), written and read
+    within that call only: a fresh one per call."""
+    index_k_at_start: Optional[torch.Tensor] = None    # the published keys as the call began (§14.1)
+    compress_kv: Optional[torch.Tensor] = None
+    topk_idxs: Optional[torch.Tensor] = None
+    candidates: Optional[torch.Tensor] = None          # None: not computed in this call
 
 
 @dataclass
@@ -39,10 +44,147 @@ class DecodeStep:
     length: int
 
 
-@dataclass
+class Kind(enum.Enum):
+    """What kind of call a forward is; each layer branches on it once."""
+    PREFILL = "prefill"     # a prompt's first call (start 0): every row sees only the call's own rows
+    CHUNK = "chunk"         # a prompt's prefill continued at start > 0, several positions
+    DECODE = "decode"       # one position per row (also a prompt's last chunk of one position)
+    VERIFY = "verify"       # several positions at start > 0 checked as decode steps (speculative drafts)
+    DRAFT = "draft"         # the DSpark block: its own attention lists, positions after the main model's
+
+
+@dataclass(frozen=True)
+class RatioPlan:
+    """For the layers of compression ratio r: `keys` compressed rows readable (end // r; a graph's bucket
+    // r), `visible` [S] the rows each query may see ((position + 1) // r), and where the call's new
+    compressed entries go: their cache `rows` [n] and the RoPE position of each (its group's first token)."""
+    keys: int
+    visible: torch.Tensor
+    rows: torch.Tensor
+    rope_pos: torch.Tensor
+
+    @property
+    def new(self) -> int:
+        return self.rows.shape[0]
+
+
+def window_prefill_idx(s: int, window: int, device=None) -> torch.Tensor:
+    """[S, min(S, W)]: query t lists positions max(0, t-W+1) + e, -1 for positions after t."""
+    n = min(s, window)
+    t = torch.arange(s, device=device).unsqueeze(1)
+    pos = (t - window + 1).clamp_min(0) + torch.arange(n, device=device)
+    return torch.where(pos > t, -1, pos).to(torch.int32)
+
+
+def window_decode_idx(pos, window: int, device=None) -> torch.Tensor:
+    """[W]: ring slots oldest first, (pos mod W)+1 ... pos mod W; slots not yet written are -1 (pos: an int
+    or a [1] tensor)."""
+    slots = (torch.arange(window, device=device) + pos % window + 1) % window
+    return torch.where(slots > pos, -1, slots).to(torch.int32)
+
+
+def window_extend_idx(start: int, s: int, window: int, device=None) -> torch.Tensor:
+    """[S, W] decode-layout lists over [ring before the call (W rows) | chunk rows (S)]: for the query at
+    position q, slot o stands for position pi = q - ((q - o) mod W); ring row if pi < start, else
+    row W + pi - start; -1 if pi < 0."""
+    q = torch.arange(start, start + s, device=device).unsqueeze(1)                 # [S, 1]
+    slots = (torch.arange(window, device=device) + q % window + 1) % window          # [S, W] oldest first
+    pos = q - (q - slots) % window
+    idx = torch.where(pos < start, slots, window + pos - start)
+    return torch.where(pos < 0, -1, idx).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """What one forward call is: made once by Transformer.forward and passed down to every layer as an
+    argument, with what follows from the positions computed once for all layers.
+
+    kind       Kind (above).
+    start      the first position, an int; None in a CUDA graph's step, whose position is a tensor only.
+    length     positions per row in the call (S).
+    positions  [S] int64 on the model's device: RoPE rows, cache rows (a graph replays them from here).
+    parity     start % 2 (a graph's: known when it is captured).
+    window     [S, n] int32 sliding-window lists (-1 = none) in the layout of the kind: PREFILL over the
+               call's rows, DECODE over the ring, CHUNK and VERIFY over [ring | the call's rows].
+    ratios     {r: RatioPlan} for each compression ratio of the model.
+    publish    the index-key owners publish their keys as one call over the whole prompt would (a prefill).
+    one_by_one per-token computations whose rounding depends on the tensor's size (fp32 GEMMs, transcendental
+               functions on a few elements) run one position at a time, as a decode step runs them, so that a
+               verification equals decoding exactly (VERIFY, in an order whose rows depend on each other).
+    exchange   what the call's source layers hand to later layers (a fresh Exchange)."""
+    kind: Kind
+    start: Optional[int]
+    length: int
+    positions: torch.Tensor
+    parity: int
+    window: torch.Tensor
+    ratios: Dict[int, RatioPlan]
+    publish: bool
+    one_by_one: bool
+    exchange: Exchange
+
+    @staticmethod
+    def make(start: int, s: int, prefill: bool, args: ModelArgs, rows_independent: bool, device,
+             index_k: Optional[torch.Tensor] = None) -> "ForwardCall":
+        """Positions [start, start + s): a prefill (`prefill`: or a chunk of one), else S = 1 decode steps or
+        an S > 1 verification. `index_k`: the keys published when the call begins."""
+        w = args.window_size
+        if start == 0:
+            kind, window = Kind.PREFILL, window_prefill_idx(s, w, device)
+        elif s == 1:
+            kind, window = Kind.DECODE, window_decode_idx(start, w, device).unsqueeze(0)
+        else:
+            kind = Kind.CHUNK if prefill else Kind.VERIFY
+            window = window_extend_idx(start, s, w, device)
+        positions = torch.arange(start, start + s, device=device)
+        ratios = {}
+        for r in sorted({r for r in args.compress_ratios if r > 0}):
+            first, end = start // r, (start + s) // r                  # groups completed in the call
+            rows = torch.arange(first, end, device=device)
+            ratios[r] = RatioPlan(end, (positions + 1) // r, rows, rows * r)
+        return ForwardCall(kind, start, s, positions, start % 2, window, ratios, prefill,
+                           kind == Kind.VERIFY and not rows_independent, Exchange(index_k))
+
+    @staticmethod
+    def graph_step(step: DecodeStep, args: ModelArgs,
+                   index_k: Optional[torch.Tensor] = None) -> "ForwardCall":
+        """A decode step at the tensor position step.pos, reading the bucket step.length (no int position)."""
+        pos = step.pos.view(1)
+        ratios = {}
+        for r in sorted({r for r in args.compress_ratios if r > 0}):
+            rows = pos // r
+            if r > 1 and step.parity == 0:        # (ratio 2) a group completes at odd positions only
+                rows = rows[:0]
+            ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r)
+        window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(0)
+        return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, False, False,
+                           Exchange(index_k))
+
+    @staticmethod
+    def draft(start: int, s: int, device) -> "ForwardCall":
+        """The DSpark block at positions [start, start + s) (its attention makes its own lists)."""
+        positions = torch.arange(start, start + s, device=device)
+        return ForwardCall(Kind.DRAFT, start, s, positions, start % 2, positions[:0], {}, False, False,
+                           Exchange())
+
+    def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
+        """fn(x, *args), evaluated one position (index along `dim`) at a time when `one_by_one`; tensor args
+        are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
+        speculative loop's): the gate's token axis is then the position axis."""
+        if not self.one_by_one or x.shape[dim] == 1:
+            return fn(x, *args)
+        outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
+                for i in range(x.shape[dim])]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(t, dim=dim) for t in zip(*outs))
+        return torch.cat(outs, dim=dim)
+
+
+@dataclass(frozen=True)
 class ModelContext:
-    """Everything a layer needs besides its own weights: config, parallelism, options, the numerics, RoPE,
-    shared state. `numerics` is made from the options and the device when not given (numerics_for)."""
+    """Everything a layer needs besides its own weights and the call: config, parallelism, options, the
+    numerics, RoPE, the published index keys. `numerics` is made from the options and the device when not
+    given (numerics_for). Frozen: nothing about a call is set here (that is the ForwardCall's)."""
     args: ModelArgs
     par: ParallelContext = field(default_factory=ParallelContext.single)
     opts: RuntimeOptions = field(default_factory=RuntimeOptions)
@@ -53,27 +195,20 @@ class ModelContext:
     window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
-    # True during a prefill call or a chunk of one (the index-key owners publish as one call would).
-    prefilling: bool = False
-    # Set during a decode step whose position is a tensor (a CUDA graph's): the layers read it from here.
-    step: Optional[DecodeStep] = None
-    # True during the speculative verification of several positions: per-token computations whose rounding
-    # depends on the tensor's size (fp32 GEMMs; transcendental ops on a few elements, vectorized or not) run
-    # one position at a time, as a decode step runs them, so that verification equals decoding exactly; and
-    # the indexer keeps each row's decode-step view of the published keys.
-    decode_shapes: bool = False
 
     def __post_init__(self):
         a, nx = self.args, self.numerics
+        made = object.__setattr__         # the fields left to make, made once here
         if nx is None:
-            nx = self.numerics = numerics_for(self.opts, self.device)
+            nx = numerics_for(self.opts, self.device)
+            made(self, "numerics", nx)
         if self.window_freqs is None:
-            self.window_freqs = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta, nx=nx,
-                                                     device=self.device)
+            made(self, "window_freqs", precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
+                                                            nx=nx, device=self.device))
         if self.compress_freqs is None:
-            self.compress_freqs = precompute_freqs_cis(
+            made(self, "compress_freqs", precompute_freqs_cis(
                 a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
-                a.beta_fast, a.beta_slow, nx=nx, device=self.device)
+                a.beta_fast, a.beta_slow, nx=nx, device=self.device))
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -85,18 +220,6 @@ class ModelContext:
         """Whether a routed expert keeps what is derived from its weights between calls: on the CPU, unless
         streamed from disk (off the CPU a step derives only what it selects, see the numerics)."""
         return torch.device(self.device).type == "cpu" and not self.streamed
-
-    def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
-        """fn(x, *args), in an extend call evaluated one position (index along `dim`) at a time; tensor args
-        are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
-        speculative loop's): the gate's token axis is then the position axis."""
-        if not self.decode_shapes or x.shape[dim] == 1 or self.numerics.rows_independent:
-            return fn(x, *args)
-        outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
-                for i in range(x.shape[dim])]
-        if isinstance(outs[0], tuple):
-            return tuple(torch.cat(t, dim=dim) for t in zip(*outs))
-        return torch.cat(outs, dim=dim)
 
     def freqs_for(self, layer_id: int) -> torch.Tensor:
         ratio = self.args.compress_ratios[layer_id]

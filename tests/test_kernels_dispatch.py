@@ -21,6 +21,7 @@ from inference.kernels import fast, reference
 from inference.layers import Linear
 from inference.parallel import ParallelContext
 from inference.quant import dequant_fp4_weight, dequant_fp8_weight
+from inference.state import ForwardCall
 
 U = 2.0 ** -24
 CPU_LINE = ("--kernel-backend tilelang needs CUDA tensors on a GPU with compute capability >= 9.0; "
@@ -286,8 +287,9 @@ def test_fast_moe_equals_the_expert_loop(par):
     gen = torch.Generator().manual_seed(7)
     for shape in ((3, 1), (1, 5), (1, 40)):                          # decode batch, draft block, prefill
         x = torch.randint(-8, 9, (*shape, exact_moe.ctx.args.dim), generator=gen).bfloat16()
+        call = ForwardCall.make(0, shape[1], True, exact_moe.ctx.args, False, "cpu")   # (not a VERIFY)
         with torch.inference_mode():
-            exact, got = exact_moe(x), fast_moe(x)
+            exact, got = exact_moe(x, call), fast_moe(x, call)
         assert exact.abs().sum() > 0
         assert torch.equal(got, exact), shape
 

@@ -43,6 +43,7 @@ def test_layer_isolated(fx):
                                                        r("engram_out")[0]),
                                   rel(model.layers[1].engram(r("block_out")[0], hashes[:, :, 1]),
                                       r("engram_out")[1]))
+            call = model.describe(pos, ids.shape[1])
             for layer in range(8):
                 x = r("engram_out")[layer] if layer < 2 else r("block_out")[layer - 1]
                 if layer == 0:
@@ -50,15 +51,15 @@ def test_layer_isolated(fx):
                     pre[..., 0] = 1
                 else:
                     pre = r("block_pre_mix")[layer - 1]
-                out, pre_next = model.layers[layer](x, pos, pre)
+                out, pre_next = model.layers[layer](x, call, pre)
                 worst["block_out"] = max(worst["block_out"], rel(out, r("block_out")[layer]))
                 worst["pre_mix"] = max(worst["pre_mix"],
                                        (pre_next - r("block_pre_mix")[layer]).abs().max().item())
                 if layer in (1, 3, 5, 7):
-                    assert torch.equal(model.ctx.shared.topk_idxs, r(f"indexer_idxs.layer{layer}")), \
+                    assert torch.equal(call.exchange.topk_idxs, r(f"indexer_idxs.layer{layer}")), \
                         f"step {k} layer {layer}: indexer selection"
                 if layer == 3:
-                    assert torch.equal(model.ctx.shared.candidates, r("candidates").bool()), \
+                    assert torch.equal(call.exchange.candidates, r("candidates").bool()), \
                         f"step {k}: candidates"
             normed = model.norm(hc_pre(r("block_out")[7], r("block_pre_mix")[7], model.nx))
             worst["final_norm"] = max(worst["final_norm"], rel(normed, r("final_norm")))

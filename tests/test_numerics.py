@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from inference.attention import window_decode_idx, window_prefill_idx
+from inference.state import window_decode_idx, window_prefill_idx
 from inference.config import RuntimeOptions
 from inference.kernels import numerics_for
 from inference.indexer import select_candidate_blocks, topk_indices
