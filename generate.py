@@ -21,12 +21,12 @@ from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches,
                                          check_writable, load_model, verify_checkpoint)
-from inference.engine.memory import rank_plan
 from inference.engine.cuda_graph import GraphedDecode
 from inference.engine.errors import InputError
+from inference.engine.memory import rank_plan
 from inference.engine.chat import chat
 from inference.engine.generation import Runner, SpecOptions
-from inference.engine.prefill import prefill_chunk_for
+from inference.engine.prefill import check_chunk, prefill_chunk_for
 from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn, read_batch_prompts,
                                       read_score_file)
 from inference.engine.scoring import score_to_file
@@ -209,6 +209,7 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     if o.spec_k is not None and o.spec_k > margs.dspark_block_size:
         raise CLIError(f"--spec-k {o.spec_k} exceeds the draft block size (dspark_block_size = "
                        f"{margs.dspark_block_size})")
+    check_chunk(o.prefill_chunk, margs.max_seq_len)     # before the memory plan's meta build
     return margs
 
 
