@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -23,9 +23,10 @@ from inference.engine.checkpoint import (CheckpointError, check_checkpoint_dir, 
                                          check_writable, load_model, verify_checkpoint)
 from inference.engine.cuda_graph import GraphedDecode
 from inference.engine.errors import InputError
+from inference.engine.memory import rank_plan
 from inference.engine.chat import chat
 from inference.engine.generation import Runner, SpecOptions
-from inference.engine.prefill import prefill_chunk_for
+from inference.engine.prefill import check_chunk, prefill_chunk_for
 from inference.engine.prompts import (Prompt, check_prompt_lengths, encode_turn, read_batch_prompts,
                                       read_score_file)
 from inference.engine.scoring import score_to_file
@@ -146,8 +147,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_options(o: argparse.Namespace) -> None:
-    """Checks that need no file and no other rank: identical on every rank. The first that fails is named."""
+def check_options(o: argparse.Namespace) -> RuntimeOptions:
+    """Checks that need no file and no other rank: identical on every rank. The first that fails is named.
+    -> the runtime options (--numerics and the rest), parsed here once."""
     spec_flags = [f for f, v in (("--spec-verify", o.spec_verify), ("--spec-k", o.spec_k),
                                  ("--spec-min-confidence", o.spec_min_confidence)) if v is not None]
     score_mode = bool(o.score or o.dump_logits)
@@ -183,7 +185,11 @@ def check_options(o: argparse.Namespace) -> None:
         if failed:
             raise CLIError(message)
     resolve_reasoning_effort(o.reasoning_effort)     # EncodingError names the accepted values
-    RuntimeOptions.from_profile(o.numerics)           # ConfigError names a bad --numerics word
+    # ConfigError names a bad --numerics word (the other fields are argparse choices)
+    return RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
+                                       fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
+                                       kernel_build=o.kernel_build,
+                                       engram_on="disk" if o.offload == "disk" else o.engram_on)
 
 
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
@@ -203,6 +209,7 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     if o.spec_k is not None and o.spec_k > margs.dspark_block_size:
         raise CLIError(f"--spec-k {o.spec_k} exceeds the draft block size (dspark_block_size = "
                        f"{margs.dspark_block_size})")
+    check_chunk(o.prefill_chunk, margs.max_seq_len)     # before the memory plan's meta build
     return margs
 
 
@@ -218,31 +225,29 @@ def init_runtime(o: argparse.Namespace, world_size: int) -> ParallelContext:
     return par
 
 
-def read_inputs(sess: Session):
-    """Everything rank 0 alone reads, read before the model is built so that a bad input fails fast."""
-    o, par, margs = sess.opts, sess.par, sess.margs
+def read_inputs(o: argparse.Namespace, par: ParallelContext, margs: ModelArgs, tokenizer):
+    """Everything rank 0 alone reads, read before the model is built so that a bad input fails fast.
+    -> (the model settings: scoring's batch is its sequences, the work, the record file (rank 0) or None)."""
     work = None
     if o.score:
         seqs, prefill_len, types, images = from_rank0(par, lambda: read_score_file(
-            o.score, margs.vocab_size, sess.runner.tokenizer, margs, o.thinking_mode, o.reasoning_effort,
+            o.score, margs.vocab_size, tokenizer, margs, o.thinking_mode, o.reasoning_effort,
             not o.language_model_only))
-        margs.max_batch_size = o.max_batch_size or len(seqs)
+        margs = replace(margs, max_batch_size=o.max_batch_size or len(seqs))   # before any use of the batch
         if len(seqs) > margs.max_batch_size:
             raise CLIError(f"{len(seqs)} sequences exceed --max-batch-size {margs.max_batch_size}")
         check_prompt_lengths([len(s) for s in seqs], margs.max_seq_len)
         from_rank0(par, lambda: [check_writable(f) for f in (o.dump_logits, o.capture_blocks) if f])
         work = (seqs, prefill_len, types, images)
     elif not o.interactive:
-        work = from_rank0(par, lambda: read_batch_prompts(o.input_file, sess.runner.tokenizer, margs,
-                                                          o.thinking_mode, o.reasoning_effort,
-                                                          not o.language_model_only))
+        work = from_rank0(par, lambda: read_batch_prompts(o.input_file, tokenizer, margs, o.thinking_mode,
+                                                          o.reasoning_effort, not o.language_model_only))
         if not work:
             raise CLIError(f"{o.input_file}: no prompts")
+    handle = []   # the file object stays on rank 0; only the outcome is broadcast
     if o.output:
-        handle = []   # the file object stays on rank 0; only the outcome is broadcast
         from_rank0(par, lambda: handle.append(open(o.output, "w", encoding="utf-8")))
-        sess.runner.records = handle[0] if handle else None
-    return work
+    return margs, work, handle[0] if handle else None
 
 
 def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int, token_types: Optional[list] = None,
@@ -259,7 +264,7 @@ def score_mode(sess: Session, seqs: List[List[int]], prefill_len: int, token_typ
 def run(o: argparse.Namespace, log: RankLog) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checks that every rank makes alike, before any collective: each rank stops with the same message.
-    check_options(o)
+    opts = check_options(o)
     check_checkpoint_dir(o.ckpt_path, world_size, need_eos=not o.score)
     margs = model_args(o, world_size)
 
@@ -269,22 +274,21 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     if o.speculative == "dspark":
         spec = SpecOptions(o.temperature, o.spec_k, o.spec_verify or "chunked", o.spec_min_confidence)
     eos_id = 1 if o.score else read_special_ids(o.ckpt_path, tokenizer)["eos"]
-    sess = Session(Runner(None, tokenizer, o.max_new_tokens, eos_id, spec, rank=par.rank), margs, par, log, o)
-    work = read_inputs(sess)
+    margs, work, records = read_inputs(o, par, margs, tokenizer)
 
     if o.verbose:
         log.info(margs)
-    opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
-                                       fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
-                                       kernel_build=o.kernel_build,
-                                       engram_on="disk" if o.offload == "disk" else o.engram_on)
     check_config_matches(o.ckpt_path, margs, world_size, o.language_model_only)   # before any memory plan
     if o.verify:
         verify_checkpoint(o.ckpt_path, par, log.info)
-    sess.runner.prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
-    sess.runner.model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only,
-                                   log.info, offload=o.offload, dspark=o.dspark or spec is not None)
-    sess.runner.graphs = GraphedDecode(sess.runner.model) if o.cuda_graph else None
+    # One meta build for the loader's memory check and the default prefill chunk; streamed blocks: no check.
+    plan = None if o.offload == "disk" else rank_plan(margs, par, opts, o.device, o.language_model_only)
+    prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, plan, o.device, log.info)
+    model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only, log.info,
+                       offload=o.offload, dspark=o.dspark or spec is not None, plan=plan)
+    runner = Runner(model, tokenizer, o.max_new_tokens, eos_id, spec, records=records, rank=par.rank,
+                    prefill_chunk=prefill_chunk, graphs=GraphedDecode(model) if o.cuda_graph else None)
+    sess = Session(runner, margs, par, log, o)
     start = time.perf_counter()
     if o.score:
         score_mode(sess, *work)

@@ -194,16 +194,14 @@ def run_phases(rec, model, prompt=24, batch=2):
     model(ids[:, :prompt], 0)
     rec.phase = "decode"
     generation.decode_step(model, ids[:, prompt:prompt + 1], prompt)
-    model.args.temperature = 1.0
-    rec.phase = "decode, sampled"
-    generation.decode_step(model, ids[:, prompt + 1:prompt + 2], prompt + 1)
-    model.args.temperature = 0.0
+    rec.phase = "decode, sampled"       # decode_step's call, at a temperature of its own
+    model(ids[:, prompt + 1:prompt + 2], prompt + 1, temperature=1.0)
     rec.phase = "extend"
-    model(ids[:, prompt + 2:prompt + 6], prompt + 2, all_logits=True)
+    model(ids[:, prompt + 2:prompt + 6], prompt + 2, all_logits=True, temperature=0.0)
     rec.phase = "rollback"
     model.rollback(prompt + 3)
     rec.phase = "prefill in chunks"
-    generation.prefill(model, ids[:, :prompt], chunk=10)
+    generation.prefill(model, ids[:, :prompt], chunk=10, temperature=0.0)
     if model.mtp is not None:
         rec.phase = "speculative (prefill, then one step)"
         speculative_generate_batch(model, [[5] * prompt] * batch, 6, -1, 0.0, 2)

@@ -39,7 +39,8 @@ class ScriptedModel(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.eos_at, self.calls = eos_at or {}, []
 
-    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None):
+    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None,
+                temperature=None):
         types = None if token_types is None else token_types.tolist()
         self.calls.append((start_pos, ids.tolist(), images, types))
         pos = start_pos + ids.shape[1]   # the position being predicted

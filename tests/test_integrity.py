@@ -163,7 +163,7 @@ def test_convert_rerun_names_and_rewrites_a_damaged_file(hf, out):
 def test_generate_verify(out, tmp_path, capsys, monkeypatch):
     def stop(*a, **k):      # the next step after the checks: the memory plan
         raise generate.CLIError("stopped before the memory plan")
-    monkeypatch.setattr(generate, "prefill_chunk_for", stop)
+    monkeypatch.setattr(generate, "rank_plan", stop)
     args = generate_args(out, tmp_path, "--verify", prompt="Hello")
     code, text, err = run_generate(capsys, args)
     assert "verified" in text and "every tensor matches" in text
@@ -212,6 +212,7 @@ def test_verify_truncated_file(out, capsys):
 def test_released_config_with_a_tiny_checkpoint(out, tmp_path, capsys, monkeypatch):
     def no_allocation(*a, **k):
         raise AssertionError("the memory plan or the model build ran")
+    monkeypatch.setattr(generate, "rank_plan", no_allocation)
     monkeypatch.setattr(generate, "prefill_chunk_for", no_allocation)
     monkeypatch.setattr(generate, "load_model", no_allocation)
     args = generate_args(out, tmp_path, config=os.path.join(ROOT, "config.json"), prompt="Hello")

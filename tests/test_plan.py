@@ -227,8 +227,7 @@ def test_released_mp8_verdict_counts_chunked_prefill():
                 f"tokens (generate.py's default, the largest that fits); one call fits up to "
                 f"{v['longest_prefill']:,} tokens per row (batch 4)") in text
     h100 = ver["H100 80 GB"]
-    par = ParallelContext(8, 0)
-    assert prefill_chunk_for(None, args, par, RuntimeOptions(), "cpu", log=lambda *_: None,
+    assert prefill_chunk_for(None, args, plan, "cpu", log=lambda *_: None,
                              gpu_mem=h100["capacity"]) == h100["prefill_chunk"]
     assert f"prefill in chunks of up to {h100['prefill_chunk']:,} tokens" in verdict_line(
         plan, "cuda:0", h100["capacity"])
@@ -264,3 +263,29 @@ def test_verdicts_one_call_decode_only_and_a_given_chunk(capsys):
         assert 200 <= list(out["largest_chunk"].values())[0] < 300
     assert main(["--config", FIXTURE_CONFIG, "--prefill-chunk", "0"]) == 1
     assert "--prefill-chunk must be in 1..512" in capsys.readouterr().err
+
+
+def test_one_meta_build_serves_the_memory_check_and_the_prefill_chunk(monkeypatch):
+    """generate.py's order: rank_plan, then the default prefill chunk and the loader's memory check, both
+    from that plan (a GPU budget, so that both read it): the model is built on the meta device once, and the
+    chunk the prefill takes is the one the loader's verdict names."""
+    from encoding.tokenizer import load_tokenizer
+    from inference.engine import memory
+    from inference.engine.checkpoint import load_model
+    from inference.engine.prefill import prefill_chunk_for
+    builds, real = [], memory.build_meta_model
+    monkeypatch.setattr(memory, "build_meta_model", lambda *a, **k: builds.append(a[2]) or real(*a, **k))
+    args, par, opts = ModelArgs.from_file(FIXTURE_CONFIG), ParallelContext.single(), RuntimeOptions()
+    probe = plan_memory(args, 1, ranks=[0], on_gpu=True)
+    r = probe.worst
+    budget = r.resident_bytes + max(r.phase_bytes("decode"), max(workspace_bytes(
+        probe.shapes, args.max_batch_size, 100, context=args.max_seq_len).values()))
+    builds.clear()
+    plan = memory.rank_plan(args, par, opts, "cpu", gpu_mem=budget)
+    lines = []
+    chunk = prefill_chunk_for(None, args, plan, "cpu", lines.append, gpu_mem=budget)
+    assert chunk is not None and 100 <= chunk < args.max_seq_len
+    load_model(FIXTURE, args, par, opts, "cpu", load_tokenizer(FIXTURE), log=lines.append, gpu_mem=budget,
+               plan=plan)
+    assert builds == [0]
+    assert any(f"prefill in chunks of up to {chunk:,} tokens" in line for line in lines), lines

@@ -127,7 +127,8 @@ class ToyModel(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.zeros(1))       # the loop reads the device from here
         self.mtp = self
 
-    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None):
+    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None,
+                temperature=None):
         logits = self.lp[ids]                                                   # [B, S, V]
         nxt = torch.multinomial(logits[:, -1].exp(), 1).view(-1)
         return nxt, (logits if all_logits else logits[:, -1]), ids.float().unsqueeze(-1)
@@ -138,7 +139,7 @@ class ToyModel(torch.nn.Module):
     def seed(self, hidden, start_pos):
         pass
 
-    def forward_spec(self, x, hidden, start_pos):
+    def forward_spec(self, x, hidden, start_pos, temperature=None):
         if start_pos == 0:
             return None
         blk = self.args.dspark_block_size
@@ -180,6 +181,31 @@ def test_batch_rows_in_step_keep_the_target_distribution(verify, monkeypatch):
     monkeypatch.setattr(speculative.Judge, "check", lambda self, logits, d, q: None)
     c, _ = counts(1500)
     assert chi2_pvalue(c[0], joints[0].flatten()) < 1e-3
+
+
+def test_the_temperature_travels_with_the_calls():
+    """A greedy run on a model whose config samples at 1.0: every forward and draft call is given 0.0, and
+    the config is left as it was."""
+    class Recording(ToyModel):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.temps = []
+
+        def forward(self, *a, temperature=None, **kw):
+            self.temps.append(temperature)
+            return super().forward(*a, **kw)
+
+        def forward_spec(self, *a, temperature=None):
+            self.temps.append(temperature)
+            return super().forward_spec(*a)
+
+    gen = torch.Generator().manual_seed(3)
+    model = Recording(*toy_bigram(gen, 6))
+    before = vars(model.args).copy()
+    for verify in ("chunked", "sequential"):
+        speculative_generate_batch(model, [[0, 3], [1, 5]], 8, -1, 0.0, 3, verify)
+    assert vars(model.args) == before and model.args.temperature == 1.0
+    assert len(model.temps) > 4 and set(model.temps) == {0.0}
 
 
 def test_greedy_rule():
@@ -255,7 +281,6 @@ def build(ckpt, rank=0, world=1, numerics="reference"):
 def plain_greedy(model, prompt, n):
     """generate.py's plain loop for one prompt (the same calls as generate()), recording each token's
     top-1/top-2 logit margin."""
-    model.args.temperature = 0.0
     nxt, logits, _ = generation.prefill(model, torch.tensor([prompt]))
     tokens, margins = [], []
     while True:
@@ -272,7 +297,6 @@ def plain_greedy(model, prompt, n):
 def plain_greedy_batch(model, prompts, n):
     """generation.generate() itself (right padding, prefill up to the shortest prompt, teacher forcing), its
     prefill and decode steps' logits recorded: per row the top-1/top-2 margin of every generated token."""
-    model.args.temperature = 0.0
     logits = []                                    # one [B, V] per position from the shortest prompt's end on
 
     def recorded(fn):
@@ -344,6 +368,7 @@ def test_sequential_greedy_is_plain_greedy(mp1):
     tokens, decisions, plain_steps, mean_acc, tpf, _ = r["sequential2"]
     assert [len(t) for t in tokens] == [NEW + 6, NEW] and tokens == r["plain2"]    # batch 2, row 1 = prompt
     assert plain_steps > 0                         # the end near max_seq_len is decoded plainly
+    assert mp1[0].args.temperature == 0.0          # the sampled runs' 1.0 went with their calls
     print(f"real drafts (sequential, batch 2): mean accepted length {mean_acc:.2f}, {tpf:.2f} tokens per "
           f"forward")
 

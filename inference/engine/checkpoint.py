@@ -14,7 +14,8 @@ from ..model import Transformer
 from ..safetensors_io import (CHECKSUM, SafetensorsError, check_recorded, read_header, read_manifest,
                               tensor_entry)
 from .errors import InputError
-from .memory import STORED_AS_BF16 as _WIDEN, build_meta_model, fix_hint, gib, plan_memory, verdict_line
+from .memory import (STORED_AS_BF16 as _WIDEN, MemoryPlan, build_meta_model, capacity_of, fix_hint, gib,
+                     rank_plan, verdict_line)
 
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
 _ALIAS = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
@@ -261,16 +262,10 @@ def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
             os.remove(tmp)
 
 
-def check_memory(args, par, opts, device: str, language_model_only: bool = False, log=print,
-                 gpu_mem: Optional[int] = None) -> None:
+def check_memory(plan: MemoryPlan, device: str, log=print, gpu_mem: Optional[int] = None) -> None:
     """Before anything is allocated: log the memory plan's verdict, and stop with one line naming the fix
     when the weights, caches and a decode step's workspace cannot fit the GPU (or the `gpu_mem` budget)."""
-    on_gpu = device.startswith("cuda") or gpu_mem is not None
-    plan = plan_memory(args, par.world_size, opts, ranks=[par.rank], language_model_only=language_model_only,
-                       on_gpu=on_gpu)
-    capacity = gpu_mem
-    if capacity is None and device.startswith("cuda"):
-        capacity = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    capacity = capacity_of(device, gpu_mem)
     log(verdict_line(plan, device, capacity))
     if capacity is not None and not plan.fits_decode(capacity):
         r = plan.worst
@@ -281,15 +276,18 @@ def check_memory(args, par, opts, device: str, language_model_only: bool = False
 
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,
                language_model_only: bool = False, log=print, gpu_mem: Optional[int] = None,
-               offload: str = "none", dspark: bool = False):
+               offload: str = "none", dspark: bool = False, plan: Optional[MemoryPlan] = None):
     """Build the Transformer for this rank and fill it from `model{rank}-mp{W}.safetensors`, after checking
-    that it fits (on CUDA, or within a `gpu_mem` byte budget). offload="disk": the blocks' weights stay in the
-    file and stream in per block (offload.py); the streamer is `model.weight_stream` (else None), and the
-    DSpark draft head (as large as a block or more, and resident) is only built when `dspark` asks for it."""
+    that it fits (on CUDA, or within a `gpu_mem` byte budget) by `plan` (memory.rank_plan of these settings;
+    None: made here). offload="disk": the blocks' weights stay in the file and stream in per block
+    (offload.py), unchecked; the streamer is `model.weight_stream` (else None), and the DSpark draft head (as
+    large as a block or more, and resident) is only built when `dspark` asks for it."""
     if offload not in ("none", "disk"):
         raise InputError(f"unknown offload {offload!r} (none or disk)")
     if offload == "none":
-        check_memory(args, par, opts, device, language_model_only, log, gpu_mem)
+        if plan is None:
+            plan = rank_plan(args, par, opts, device, language_model_only, gpu_mem)
+        check_memory(plan, device, log, gpu_mem)
     log("build model")
     model = Transformer(args, par, opts, device, tokenizer, language_model_only=language_model_only,
                         build_dspark=offload == "none" or dspark, streamed=offload == "disk")

@@ -25,6 +25,15 @@ class Stats:
     decode_tokens: int = 0
     decode_s: float = 0.0
 
+    def add(self, phase: str, tokens: int, seconds: float) -> None:
+        """Count `tokens` and `seconds` to the "prefill" or the "decode" phase."""
+        if phase == "prefill":
+            self.prefill_tokens += tokens
+            self.prefill_s += seconds
+        else:
+            self.decode_tokens += tokens
+            self.decode_s += seconds
+
     def summary(self) -> str:
         def rate(n, s):
             return f"{n} tokens in {s:.2f} s ({n / s:.1f} tokens/s)" if s > 0 else f"{n} tokens"
@@ -48,8 +57,7 @@ def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Ca
     start = time.perf_counter()
     out = fn(*args, **kw)
     _sync(device)
-    setattr(stats, f"{phase}_s", getattr(stats, f"{phase}_s") + time.perf_counter() - start)
-    setattr(stats, f"{phase}_tokens", getattr(stats, f"{phase}_tokens") + n_tokens)
+    stats.add(phase, n_tokens, time.perf_counter() - start)
     return out
 
 
@@ -139,10 +147,8 @@ def complete(model, prompts: List[Prompt], max_new_tokens: int, eos_id: int, sta
         raise InputError(str(e)) from None
     if spec_stats is not None:
         spec_stats.add(st)
-    stats.prefill_tokens += st.prefill_tokens
-    stats.prefill_s += st.prefill_s
-    stats.decode_tokens += max(0, st.new_tokens - len(prompts))   # first tokens come from the prefill
-    stats.decode_s += st.decode_s
+    stats.add("prefill", st.prefill_tokens, st.prefill_s)
+    stats.add("decode", max(0, st.new_tokens - len(prompts)), st.decode_s)   # first tokens: the prefill's
     return completions, reasons
 
 

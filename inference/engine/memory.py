@@ -356,6 +356,22 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
     return plan
 
 
+def rank_plan(args: ModelArgs, par: ParallelContext, opts: RuntimeOptions, device: str,
+              language_model_only: bool = False, gpu_mem: Optional[int] = None) -> MemoryPlan:
+    """This rank's plan from one meta build of the model it will load: the loader's memory check and the
+    default prefill chunk both read it (the build takes seconds at the released size)."""
+    on_gpu = device.startswith("cuda") or gpu_mem is not None
+    return plan_memory(args, par.world_size, opts, ranks=[par.rank], language_model_only=language_model_only,
+                       on_gpu=on_gpu)
+
+
+def capacity_of(device: str, gpu_mem: Optional[int] = None) -> Optional[int]:
+    """The bytes a plan is judged against: the `gpu_mem` budget, else the CUDA device's; None on a CPU."""
+    if gpu_mem is None and device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return gpu_mem
+
+
 @dataclass
 class ContextPlan:
     """How long a context a setup holds when prompts are prefilled in chunks. The resident bytes grow with the

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .errors import InputError
-from .memory import plan_memory
+from .memory import MemoryPlan, capacity_of
 
 
 def check_chunk(chunk: Optional[int], max_seq_len: int) -> None:
@@ -50,29 +50,30 @@ def image_spans(images) -> List[Tuple[int, int]]:
 @torch.inference_mode()
 def prefill(model, ids: torch.Tensor, token_types: Optional[torch.Tensor] = None, images=None,
             all_logits: bool = False, chunk: Optional[int] = None,
-            on_chunk: Optional[Callable[[Optional[torch.Tensor], int], None]] = None):
+            on_chunk: Optional[Callable[[Optional[torch.Tensor], int], None]] = None,
+            temperature: Optional[float] = None):
     """ids [B, P] at positions [0, P), in calls of at most `chunk` positions (None: one call) ->
-    (sampled next ids [B], logits [B, V] of the last position or [B, P, V] with all_logits, main_hidden
-    [B, s, n_targets*D] of the last call or None). on_chunk(main_hidden, start) runs after each call (the
-    DSpark draft head seeds its rings there)."""
+    (next ids [B] sampled at `temperature` (None: the config's), logits [B, V] of the last position or
+    [B, P, V] with all_logits, main_hidden [B, s, n_targets*D] of the last call or None).
+    on_chunk(main_hidden, start) runs after each call (the DSpark draft head seeds its rings there)."""
     parts = []
     spans = image_spans(images) if chunk is not None else ()
     for start, end in chunk_bounds(ids.shape[1], chunk, spans):
         types = None if token_types is None else token_types[:, start:end]
         next_ids, logits, hidden = model(ids[:, start:end], start, images=images, token_types=types,
-                                         all_logits=all_logits, prefill=True)
+                                         all_logits=all_logits, prefill=True, temperature=temperature)
         if on_chunk is not None:
             on_chunk(hidden, start)
         parts.append(logits)
     return next_ids, torch.cat(parts, dim=1) if all_logits else logits, hidden
 
 
-def prefill_chunk_for(requested: Optional[int], args, par, opts, device: str, log=print,
+def prefill_chunk_for(requested: Optional[int], args, plan: Optional[MemoryPlan], device: str, log=print,
                       gpu_mem: Optional[int] = None) -> Optional[int]:
-    """The positions per prefill call: `requested` (checked), else one call when the memory plan lets a
-    prompt of max_seq_len prefill in one call on this GPU (or the `gpu_mem` budget), else the largest chunk it
-    allows; on a CPU one call (no memory bound is known; --prefill-chunk bounds the prefill's memory). Says
-    which it chose."""
+    """The positions per prefill call: `requested` (checked), else one call when the memory `plan` (rank_plan:
+    the one the loader checks) lets a prompt of max_seq_len prefill in one call on this GPU (or the `gpu_mem`
+    budget), else the largest chunk it allows; on a CPU one call (no memory bound is known; --prefill-chunk
+    bounds the prefill's memory), and no plan is needed. Says which it chose."""
     check_chunk(requested, args.max_seq_len)
     if requested is not None:
         log(f"prefill: calls of at most {requested:,} tokens (--prefill-chunk)")
@@ -80,9 +81,9 @@ def prefill_chunk_for(requested: Optional[int], args, par, opts, device: str, lo
     if not device.startswith("cuda") and gpu_mem is None:
         log(f"prefill: one call per prompt on {device} (--prefill-chunk N bounds its memory)")
         return None
-    capacity = gpu_mem or torch.cuda.get_device_properties(torch.device(device)).total_memory
-    plan = plan_memory(args, par.world_size, opts, ranks=[par.rank])
-    chunk = plan.default_chunk(capacity)        # the chunk tools/plan.py's verdict names
+    if plan is None:
+        raise ValueError("prefill_chunk_for: on a GPU the default chunk needs the memory plan")
+    chunk = plan.default_chunk(capacity_of(device, gpu_mem))    # the chunk tools/plan.py's verdict names
     if not chunk:                               # 0: load_model's memory check names the problem
         log(f"prefill: one call per prompt (the memory plan fits {args.max_seq_len:,} tokens x "
             f"{args.max_batch_size} rows)")

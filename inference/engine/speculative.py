@@ -19,7 +19,7 @@ Every rank runs this loop on identical all-gathered logits and draws from the sa
 order, so every rank takes the same decisions without communicating (docs/numerics.md §11).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -177,8 +177,9 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     right-padded, prefill up to the shortest, rows inside their prompt teacher-forced (by plain decode steps:
     speculation starts once every row is past its prompt).
 
-    temperature: None = model.args.temperature (the drafts and the main model sample at args.temperature,
-    so another value is written there). k: drafts verified per step, 1..dspark_block_size (default: all).
+    temperature: None = model.args.temperature; the drafts and the main model sample at it, passed with
+    every call (the model's config is never changed). k: drafts verified per step, 1..dspark_block_size
+    (default: all).
     draft_hook(position of the first draft, drafts [B, k]) -> drafts [B, k]: a test hook replacing the
     drafts; when sampling, its drafts count as deterministic proposals (q = one-hot), which keeps the rule
     exact. token_types (per prompt, TEXT = -1) and images (one list per prompt): as generate() takes them.
@@ -195,9 +196,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         raise ValueError(f"k must be in 1..{blk} (dspark_block_size), got {k}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    if temperature is not None:
-        a.temperature = temperature
-    judge = Judge(a.temperature)
+    t = a.temperature if temperature is None else temperature
+    judge = Judge(t)
     stats = SpecStats()
     device = next(model.parameters()).device
     bsz, lens, max_len = len(prompts), [len(p) for p in prompts], a.max_seq_len
@@ -226,7 +226,8 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
 
     start = time.perf_counter()
     x, _, hidden = prefill(model, tokens[:, :shortest], None if types is None else types[:, :shortest],
-                           images, chunk=prefill_chunk, on_chunk=model.mtp.seed)   # seeds the DSpark rings
+                           images, chunk=prefill_chunk, on_chunk=model.mtp.seed,   # seeds the DSpark rings
+                           temperature=t)
     commit(shortest, x)
     _sync(device)
     stats.prefill_s, stats.prefill_tokens = time.perf_counter() - start, bsz * shortest
@@ -242,20 +243,20 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         # next draft block (c'+1..c'+blk, c' <= c+1+kk) below max_seq_len.
         kk = min(k, total_len - 3 - c, max_len - 2 - blk - c)
         if pending is None or kk < 1 or c + 2 < longest:       # plain decode step
-            y, _, h = model(tokens[:, c + 1:c + 2], c + 1)
+            y, _, h = model(tokens[:, c + 1:c + 2], c + 1, temperature=t)
             stats.plain_steps += 1
             pending, p0 = (h, c + 1) if pending is None else (torch.cat([pending, h], dim=1), p0)
             c += 1
             commit(c + 1, y)
             continue
 
-        ids, dlogits, conf = model.mtp.forward_spec(tokens[:, c + 1], pending, p0)
+        ids, dlogits, conf = model.mtp.forward_spec(tokens[:, c + 1], pending, p0, temperature=t)
         drafts = ids[:, 1:1 + kk]                                               # [B, kk]
         n_row = [kk] * bsz                       # drafts verified per row
         if min_confidence is not None:          # verify only the leading confident drafts
             sure = (torch.sigmoid(conf[:, :kk]) >= min_confidence).long().cumprod(1).sum(1)   # [B]
             n_row = sure.tolist()
-        q = probs(dlogits[:, :kk], a.temperature) if a.temperature > 0 else None           # [B, kk, V]
+        q = probs(dlogits[:, :kk], t) if t > 0 else None                                   # [B, kk, V]
         if draft_hook is not None:
             drafts = draft_hook(c + 2, drafts.clone()).to(device)
             if q is not None:
@@ -267,7 +268,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         verdict = {}                             # row -> (accepted a_b, the token after them y_b)
 
         if verify == "chunked":                 # one extend call, then forget the rejected rows
-            _, logits, h = model(chain, c + 1, all_logits=True)                 # [B, n+1, V]
+            _, logits, h = model(chain, c + 1, all_logits=True, temperature=t)  # [B, n+1, V]
             for b in live:
                 nb = n_row[b]
                 verdict[b] = judge.block(logits[b, :nb + 1], drafts[b, :nb], None if q is None else q[b, :nb])
@@ -277,7 +278,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         else:                                   # one decode step per token, stop at the first rejection
             rows = []
             for i in range(n + 1):
-                _, logits, h_i = model(chain[:, i:i + 1], c + 1 + i)          # [B, V]
+                _, logits, h_i = model(chain[:, i:i + 1], c + 1 + i, temperature=t)   # [B, V]
                 rows.append(h_i)
                 for b in live:
                     if i == n_row[b]:
@@ -335,5 +336,4 @@ def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_
                                                verify, min_confidence, hook,
                                                None if token_types is None else [token_types], images,
                                                prefill_chunk)
-    stats.decisions = [d[0] for d in stats.decisions]
-    return out[0], stats
+    return out[0], replace(stats, decisions=[d[0] for d in stats.decisions])

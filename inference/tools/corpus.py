@@ -35,6 +35,7 @@ from ..config import ConfigError, ModelArgs, RuntimeOptions
 from ..engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches, check_writable,
                                  load_model, shard_path)
 from ..engine.errors import InputError
+from ..engine.memory import rank_plan
 from ..engine.prefill import chunk_bounds, prefill_chunk_for
 from ..engram import EngramError
 from ..parallel import ParallelContext, RankLog, run_and_shut_down
@@ -613,8 +614,10 @@ def _score(o, par, margs, tokenizer, chunks, start, g: Geometry, outputs: Option
     opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on)
-    prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, par, opts, o.device, log.info)
-    model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, True, log.info, offload=o.offload)
+    plan = None if o.offload == "disk" else rank_plan(margs, par, opts, o.device, language_model_only=True)
+    prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, plan, o.device, log.info)
+    model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, True, log.info, offload=o.offload,
+                       plan=plan)
     bos = None if o.bos == "no" else bos_id_of(o.ckpt_path, tokenizer)
     n_chunk, done_nll = chunks.shape[0], list(outputs.chunk_nll) if rank0 else []
     bar = None
