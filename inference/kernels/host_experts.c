@@ -184,7 +184,10 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k
 /* the scale bytes of blocks 0 .. nb - 1 at s -> 2^(e - 127) in lanes 4b .. 4b + 3 (missing blocks: 0 bytes) */
 static inline __m512 scales16(const uint8_t *s, int nb) {
     uint32_t b = 0;
-    memcpy(&b, s, (size_t)nb);
+    if (nb == 4)
+        memcpy(&b, s, 4); /* one load (a memcpy of a variable size would be a call) */
+    else
+        for (int i = 0; i < nb; i++) b |= (uint32_t)s[i] << (8 * i);
     const __m512i spread = _mm512_set_epi32(
         (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u,
         (int)0x80808002u, (int)0x80808002u, (int)0x80808002u, (int)0x80808002u,
@@ -207,8 +210,14 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
         int nb = kb_n - 4 * g < 4 ? (int)(kb_n - 4 * g) : 4;
         __mmask16 lanes = nb == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * nb)) - 1);
         __m512i v[2 * ROWS];
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
             v[r] = _mm512_maskz_loadu_epi32(lanes, j->w + (r0 + r) * (k / 2) + 64 * g);
+            /* the next tile's rows, in step: R streams of k/2 bytes are too short for the hardware
+               prefetchers to find in time (a prefetch past the end does not fault) */
+            _mm_prefetch((const char *)(j->w + (r0 + 2 * R + r) * (k / 2) + 64 * g), _MM_HINT_T0);
+            if (g % 16 == 0)
+                _mm_prefetch((const char *)(j->s + (r0 + R + r) * kb_n + 4 * g), _MM_HINT_T0);
+        }
         if (T == 1) {
             const float *xp = j->x + t0 * kx + 128 * g;
             __m512 part[2 * ROWS];
