@@ -18,7 +18,7 @@
 #include <string.h>
 
 #define BLK 32   /* elements per scale block along K */
-#define CHUNK 32 /* weight rows per work item: one FP8 scale row */
+#define CHUNK 256 /* weight rows per work item: whole FP8 scale rows (32), and long for the prefetch */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -81,7 +81,8 @@ static inline void decode_fp4(const uint8_t *p, uint8_t e, vec out[PARTS]) {
     float sc = ue8m0(e);
 #if WIDTH == 16
     /* the value table, scaled once per block (exact: <= 2 significant bits times a power of two), looked
-       up with vpermps, which reads the low 4 bits of each index: the low nibble as is, the high one shifted */
+       up with vpermps, which reads the low 4 bits of each index: the low nibble as is, the high one
+       shifted */
     __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(sc));
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     out[0] = _mm512_permutexvar_ps(v, tab);
@@ -159,7 +160,7 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k
             if (fp4)
                 decode_fp4(j->w + row * (k / 2) + kb * 16, j->s[row * kb_n + kb], wv[r]);
             else
-                decode_fp8(j->w + row * k + kb * BLK, j->s[(row / CHUNK) * kb_n + kb], wv[r]);
+                decode_fp8(j->w + row * k + kb * BLK, j->s[(row / BLK) * kb_n + kb], wv[r]);
         }
         for (int t = 0; t < T; t++) {
             const float *xp = j->x + (t0 + t) * k + kb * BLK;
@@ -181,7 +182,8 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k
    multiple of 128, kx columns). A row's 4 scales, one per 4 lanes, multiply the weights (or, for one
    token, the row's 8 partial sums once: exact, a power of two). */
 
-/* the scale bytes of blocks 0 .. nb - 1 at s -> 2^(e - 127) in lanes 4b .. 4b + 3 (missing blocks: 0 bytes) */
+/* the scale bytes of blocks 0 .. nb - 1 at s -> 2^(e - 127) in lanes 4b .. 4b + 3 (missing blocks: byte 0,
+   times zero weights) */
 static inline __m512 scales16(const uint8_t *s, int nb) {
     uint32_t b = 0;
     if (nb == 4)
@@ -216,7 +218,7 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
                prefetchers to find in time (a prefetch past the end does not fault) */
             _mm_prefetch((const char *)(j->w + (r0 + 2 * R + r) * (k / 2) + 64 * g), _MM_HINT_T0);
             if (g % 16 == 0)
-                _mm_prefetch((const char *)(j->s + (r0 + R + r) * kb_n + 4 * g), _MM_HINT_T0);
+                _mm_prefetch((const char *)(j->s + (r0 + 2 * R + r) * kb_n + 4 * g), _MM_HINT_T0);
         }
         if (T == 1) {
             const float *xp = j->x + t0 * kx + 128 * g;

@@ -1,4 +1,5 @@
-"""Benchmark the CPU routed-expert kernel (inference/kernels/host_experts.py) on one released-geometry MoE layer.
+"""Benchmark the CPU routed-expert kernel (inference/kernels/host_experts.py) on one MoE layer of the released
+geometry.
 
     python -m inference.tools.bench experts [--json] [--experts 128] [--threads 2]
 
@@ -144,7 +145,8 @@ def main(argv=None):
     say(f"kernel {variant}, {r['threads']} threads, torch {torch.__version__}"
         + (f", build {r['build_s']:.2f} s (uncached)" if "build_s" in r else ""))
     r["read_bandwidth_gbs"] = read_bandwidth(opts.bandwidth_gib)
-    say(f"read bandwidth: {r['read_bandwidth_gbs']:.1f} GB/s (sum over {opts.bandwidth_gib:g} GiB, best of 4)")
+    say(f"read bandwidth: {r['read_bandwidth_gbs']:.1f} GB/s (sum over {opts.bandwidth_gib:g} GiB, "
+        "best of 4)")
     experts = random_experts(opts.experts, gen)
     per = expert_bytes(experts)
     say(f"{opts.experts} MXFP4 experts of {DIM} x {INTER}: {per / 1e6:.1f} MB each, "
@@ -154,8 +156,8 @@ def main(argv=None):
     r["routed_decode_gbs"], r["routed_decode_ms"] = decode(experts, opts.steps, gen, variant)
     r["routed_decode_fraction"] = r["routed_decode_gbs"] / r["read_bandwidth_gbs"]
     say(f"decode, batch 1, top-{TOPK}: {r['routed_decode_gbs']:.1f} GB/s of expert bytes (best step), "
-        f"{100 * r['routed_decode_fraction']:.0f} % of the read bandwidth; median {r['routed_decode_ms']:.2f} "
-        f"ms per layer ({TOPK * per / 1e6:.0f} MB)")
+        f"{100 * r['routed_decode_fraction']:.0f} % of the read bandwidth; median "
+        f"{r['routed_decode_ms']:.2f} ms per layer ({TOPK * per / 1e6:.0f} MB)")
     r.update(prefill(experts, opts.tokens, opts.subset, gen, variant))
     faster = "kernel" if r["prefill_subset_kernel_gmacs"] > r["prefill_subset_dequant_gemm_gmacs"] else \
         "dequant + GEMM"
@@ -164,7 +166,8 @@ def main(argv=None):
         f"{r['prefill_tokens_per_s']:.1f} tokens/s, {r['prefill_gmacs']:.1f} GMAC/s")
     say(f"  on {r['prefill_subset_experts']} of them: kernel {r['prefill_subset_kernel_gmacs']:.1f} GMAC/s, "
         f"dequantise to bf16 + torch GEMM {r['prefill_subset_dequant_gemm_gmacs']:.1f} GMAC/s "
-        f"(~{r['prefill_dequant_gemm_tokens_per_s_est']:.1f} tokens/s for the whole prefill): {faster} faster")
+        f"(~{r['prefill_dequant_gemm_tokens_per_s_est']:.1f} tokens/s for the whole prefill): "
+        f"{faster} faster")
     r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     say(f"peak RSS {r['peak_rss_bytes'] / 2 ** 30:.2f} GiB")
     if opts.json:
