@@ -77,16 +77,22 @@ def routed(tokens: int, n: int, gen: torch.Generator):
 
 
 def dequant_gemm(x, counts, sel, experts):
-    """The comparison: each active expert's three projections dequantised once into bf16, torch's GEMM."""
+    """The comparison: each active expert's three projections dequantised once into bf16, torch's GEMM.
+    -> seconds spent dequantising, seconds in the GEMMs and the SwiGLU."""
     act = functools.partial(he.swiglu, limit=LIMIT)
-    outs, start = [], 0
+    t_deq = t_gemm = 0.0
+    start = 0
     for e, c in zip(sel, counts):
+        t = time.perf_counter()
         w = {p: dequant_weight(wt[e], sc[e], "fp4", torch.bfloat16) for p, (wt, sc) in experts.items()}
+        t_deq += time.perf_counter() - t
+        t = time.perf_counter()
         xe = x[start:start + c]
         h = act(xe @ w["w1"].t(), xe @ w["w3"].t(), None).to(torch.bfloat16)
-        outs.append(h @ w["w2"].t())
+        h @ w["w2"].t()
+        t_gemm += time.perf_counter() - t
         start += c
-    return torch.cat(outs)
+    return t_deq, t_gemm
 
 
 def prefill(experts, tokens: int, subset: int, gen: torch.Generator, variant: str) -> dict:
@@ -107,14 +113,15 @@ def prefill(experts, tokens: int, subset: int, gen: torch.Generator, variant: st
     t = time.perf_counter()
     run(c_sub, s_sub, x_sub)
     t_kernel = time.perf_counter() - t
-    t = time.perf_counter()
-    dequant_gemm(x_sub, c_sub, s_sub, experts)
-    t_base = time.perf_counter() - t
+    t_deq, t_gemm = dequant_gemm(x_sub, c_sub, s_sub, experts)
+    t_base = t_deq + t_gemm
     macs_sub = 3 * DIM * INTER * x_sub.shape[0]
     return {"prefill_tokens": tokens, "prefill_active_experts": len(sel),
             "prefill_tokens_per_s": tokens / t_all, "prefill_gmacs": macs / t_all / 1e9,
             "prefill_subset_experts": len(s_sub), "prefill_subset_kernel_gmacs": macs_sub / t_kernel / 1e9,
             "prefill_subset_dequant_gemm_gmacs": macs_sub / t_base / 1e9,
+            "prefill_subset_dequant_share": t_deq / t_base,
+            "prefill_subset_bf16_gemm_gmacs": macs_sub / t_gemm / 1e9,
             "prefill_dequant_gemm_tokens_per_s_est": tokens / (t_all * t_base / t_kernel)}
 
 
@@ -166,6 +173,8 @@ def main(argv=None):
         f"{r['prefill_tokens_per_s']:.1f} tokens/s, {r['prefill_gmacs']:.1f} GMAC/s")
     say(f"  on {r['prefill_subset_experts']} of them: kernel {r['prefill_subset_kernel_gmacs']:.1f} GMAC/s, "
         f"dequantise to bf16 + torch GEMM {r['prefill_subset_dequant_gemm_gmacs']:.1f} GMAC/s "
+        f"({100 * r['prefill_subset_dequant_share']:.0f} % of it dequantising; the GEMMs alone "
+        f"{r['prefill_subset_bf16_gemm_gmacs']:.1f} GMAC/s) "
         f"(~{r['prefill_dequant_gemm_tokens_per_s_est']:.1f} tokens/s for the whole prefill): "
         f"{faster} faster")
     r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
