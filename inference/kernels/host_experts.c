@@ -157,10 +157,14 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k
         vec wv[ROWS * 2][PARTS];
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
+            const int64_t row_bytes = fp4 ? k / 2 : k, block_bytes = fp4 ? 16 : BLK;
             if (fp4)
                 decode_fp4(j->w + row * (k / 2) + kb * 16, j->s[row * kb_n + kb], wv[r]);
             else
                 decode_fp8(j->w + row * k + kb * BLK, j->s[(row / BLK) * kb_n + kb], wv[r]);
+#if WIDTH > 1 /* the tile after next, in step (as tile_fp4 does) */
+            __builtin_prefetch(j->w + (row + 2 * R) * row_bytes + kb * block_bytes);
+#endif
         }
         for (int t = 0; t < T; t++) {
             const float *xp = j->x + (t0 + t) * k + kb * BLK;
