@@ -19,6 +19,12 @@ auto. When the kernel cannot be built (no compiler: $CC, else cc or gcc), one li
 per process, and the torch path runs.
 
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
+Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
+sum over 2 GiB, read 47-83 GB/s from run to run, mostly ~50): batch-1 decode of one released-geometry layer
+(6 of 128 MXFP4 experts of 5120 x 2304, 113 MB per step) 26-27 GB/s of expert bytes with avx512 (51-54 % of
+~50 GB/s; 4.4 ms per layer), 14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts:
+270-560 tokens/s (57-120 GMAC/s), against 7-27 tokens/s for dequantise-to-bf16 (98 % of that time) + torch's
+bf16 GEMM (which alone runs 170-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 """
 import ctypes
 import functools
