@@ -115,6 +115,23 @@ def test_two_projections_in_one_call_and_threads(variant):
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
+@pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
+    """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks
+    (E4M3 subnormals, ties: bf16 inputs have 8 significant bits), a zero row (the 1e-4 floor), -0."""
+    gen = torch.Generator().manual_seed(order)
+    x = torch.randn(9, 160, generator=gen) * torch.pow(2.0, torch.randint(-40, 41, (9, 160), generator=gen))
+    x[2] = 0
+    x[3, :32] = -0.0
+    x[4] = torch.randn(160, generator=gen) * 1e-6
+    x = x.bfloat16()
+    lib = he._library(variant, he._compiler(), he._cache_dir())
+    got = he._activations(lib, x, order)
+    want = he.activations_torch(x, order)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_swiglu_is_the_experts():
     """host_experts.swiglu is moe.Expert.swiglu's arithmetic (the clamps, the routing weight)."""
     gen = torch.Generator().manual_seed(1)

@@ -13,6 +13,7 @@
  * elements then its 16 odd ones (the order the nibbles unpack in). Scale byte e means 2^(e - 127); byte 0 is
  * 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not expected (checkpoints have none).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -302,6 +303,57 @@ static void *worker(void *arg) {
         const job_t *jb = &wk->jobs[j];
         int64_t r0 = (c - wk->first[j]) * CHUNK, r1 = r0 + CHUNK < jb->n ? r0 + CHUNK : jb->n;
         rows(jb, wk->k, wk->fp4, r0, r1);
+    }
+}
+
+/* ---- activations: reference.act_quant, dequantised, in the kernel's order ---- */
+
+/* fp32 |v| <= 448 -> the nearest E4M3 value, ties to even (subnormals: multiples of 2^-9) */
+static inline float e4m3_round(float v) {
+    float a = v < 0 ? -v : v, r;
+    if (a >= 0x1p-6f) {
+        uint32_t b;
+        memcpy(&b, &a, 4);
+        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u; /* 3 mantissa bits, ties to even */
+        r = bits_float(b);
+    } else {
+        r = (a + 0x1p14f) - 0x1p14f; /* fp32's spacing at 2^14 is 2^-9: rounds to the subnormal grid */
+    }
+    return signbit(v) ? -r : r; /* -0 stays -0, as in torch */
+}
+
+/* x [m, k] bf16 bits -> out [m, kx] fp32: per 32, s = ceil_pow2(max(amax, fl32(1e-4)) * fl32(1/448)),
+   e4m3(clamp(x / s, +-448)) * s, the numbers of reference.act_quant and fast.quant_act. order: 0 as is,
+   1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after). */
+void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t kx, int order) {
+    const float c448 = 1.0f / 448.0f, floor_amax = 1e-4f;
+    for (int64_t i = 0; i < m; i++) {
+        float *o = out + i * kx;
+        for (int64_t c = k; c < kx; c++) /* the padding's elements, wherever the order puts them */
+            o[(c / 128) * 128 + (c % 8) * 16 + (c % 128) / 8] = 0.0f;
+        for (int64_t b0 = 0; b0 < k; b0 += BLK) {
+            float g[BLK], amax = 0.0f;
+            for (int e = 0; e < BLK; e++) {
+                g[e] = bits_float((uint32_t)x[i * k + b0 + e] << 16);
+                float a = g[e] < 0 ? -g[e] : g[e];
+                amax = a > amax ? a : amax;
+            }
+            amax = amax > floor_amax ? amax : floor_amax;
+            float t = amax * c448;
+            uint32_t tb;
+            memcpy(&tb, &t, 4);
+            float sc = bits_float((tb + 0x7FFFFFu) & 0x7F800000u); /* the next power of two up */
+            for (int e = 0; e < BLK; e++) {
+                float v = g[e] / sc;
+                v = v > 448.0f ? 448.0f : v < -448.0f ? -448.0f : v;
+                int64_t col = b0 + e, pos = col;
+                if (order == 1)
+                    pos = b0 + (e & 1) * 16 + e / 2;
+                else if (order == 2)
+                    pos = (col / 128) * 128 + (col % 8) * 16 + (col % 128) / 8;
+                o[pos] = e4m3_round(v) * sc;
+            }
+        }
     }
 }
 

@@ -46,6 +46,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_experts.
 VARIANTS = ("avx512", "avx2", "scalar")
 FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "scalar": []}
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
+LIBS = ["-lm"]
 ENV = "DSV4_HOST_EXPERTS"
 FORMATS = {"fp4": 4, "fp8": 8}
 
@@ -101,6 +102,9 @@ def _library(variant: str, cc: Optional[str], cache_dir: str):
                                ctypes.c_int, ctypes.c_int]
         lib.he_run.restype = ctypes.c_int
         lib.he_variant.restype = ctypes.c_char_p
+        lib.he_act_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int]
+        lib.he_act_quant.restype = None
         return lib
     except (BuildError, OSError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
@@ -123,7 +127,7 @@ def build(variant: str, cc: Optional[str] = None, cache_dir: Optional[str] = Non
         raise BuildError(f"C compiler {cc!r} does not run: {e}") from None
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode()]))
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags + LIBS).encode()]))
     path = os.path.join(cache_dir, f"host_experts_{variant}_{key.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
@@ -131,7 +135,8 @@ def build(variant: str, cc: Optional[str] = None, cache_dir: Optional[str] = Non
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *flags, SOURCE, "-o", tmp, *LIBS], capture_output=True, text=True,
+                              timeout=300)
         if proc.returncode:
             lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
             raise BuildError(f"{cc} failed for the {variant} kernel: {lines[0]}")
@@ -185,25 +190,41 @@ def linear_torch(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
     return y
 
 
-def _activations(x: torch.Tensor, kind: str, variant: str) -> torch.Tensor:
-    """act_quant(x) dequantised to fp32 in the order the kernel unpacks the weights: fp8 as is, [M, K]; fp4
-    (avx2, scalar) each 32-block as its even then its odd elements (the low and high nibbles of its 16
-    bytes), [M, K]; fp4 (avx512) K padded with zeros to a multiple of 128 and each 128 as [8, 16], element
-    8 d + q at 16 q + d (nibble q of the load's dword d), [M, K padded]."""
+def _order(kind: str, variant: str) -> int:
+    """The kernel's activation order: 0 as is (fp8), 1 each 32 as its even then odd elements (fp4: the low
+    and high nibbles of the block's 16 bytes), 2 each 128 as [8, 16] (fp4 on avx512: element 8 d + q at
+    16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128."""
+    return 0 if kind == "fp8" else 2 if variant == "avx512" else 1
+
+
+def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
+    """act_quant(x) dequantised to fp32 in the kernel's `order`: [M, K], or [M, K padded to 128] for 2.
+    The specification of he_act_quant (host_experts.c), which makes the same numbers in one pass."""
     a = quant_act(x, torch.float32)                                 # [M, K]
     m = a.shape[0]
-    if kind == "fp4" and variant == "avx512":
+    if order == 2:
         a = F.pad(a, (0, -a.shape[1] % 128))                        # [M, Kx]
         a = a.view(m, -1, 16, 8).transpose(-1, -2)                  # [M, Kx/128, 8, 16]
-    elif kind == "fp4":
+    elif order == 1:
         a = a.view(m, -1, BLOCK // 2, 2).transpose(-1, -2)          # [M, K/32, 2, 16]
     return a.contiguous().view(m, -1)
+
+
+def _activations(lib, x: torch.Tensor, order: int) -> torch.Tensor:
+    """activations_torch's numbers from the C kernel (bf16 x; other dtypes take the torch version)."""
+    if x.dtype != torch.bfloat16:
+        return activations_torch(x, order)
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, k + (-k % 128 if order == 2 else 0), dtype=torch.float32)
+    lib.he_act_quant(x.data_ptr(), m, k, out.data_ptr(), out.shape[1], order)
+    return out
 
 
 def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, kind: str) -> torch.Tensor:
     """All projections of all experts in one kernel call -> fp32 [M, sum of N]: projection p's outputs in
     its own columns."""
-    a = _activations(x, kind, variant)
+    a = _activations(lib, x, _order(kind, variant))
     m, k, kx = x.shape[0], x.shape[1], a.shape[1]
     widths = [w.shape[1] for w, _ in projections]
     y = torch.empty(m, sum(widths), dtype=torch.float32)            # [M, N1 + N2 + ...]
