@@ -8,23 +8,24 @@ scale), each product E4M3 x E2M1 (or E4M3) x power of two exact in fp32, the pro
 rounded to bf16; only the summation order differs (fast.py explains why the products are exact).
 
 Two implementations of the same function:
-    torch   the specification and the fallback: each active expert dequantised to fp32, one matmul.
+    torch   the specification and the fallback: act_quant, each active expert dequantised to fp32, matmul.
     native  host_experts.c, built here with the C compiler (gcc -O3 -shared -fPIC, cached under the user's
             cache directory, keyed by a hash of the source, the compiler and its flags) and called through
-            ctypes: the weights decoded in registers block by block, 16-entry value table (vpermps) scaled
-            by the block's power of two, fp32 FMAs, weight rows split over torch.get_num_threads() threads.
+            ctypes: act_quant in C (the same bits, written in the order the weights unpack in), the weights
+            decoded in registers, the 16-entry E2M1 table looked up with vpermps, the block's power of two
+            applied by a multiply, fp32 FMAs; weight rows in chunks over torch.get_num_threads() threads.
             Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
 auto. When the kernel cannot be built (no compiler: $CC, else cc or gcc), one line on stderr says so, once
-per process, and the torch path runs.
+per process (and variant asked for), and the torch path runs.
 
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
 Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
-sum over 2 GiB, read 47-83 GB/s from run to run, mostly ~50): batch-1 decode of one released-geometry layer
-(6 of 128 MXFP4 experts of 5120 x 2304, 113 MB per step) 26-27 GB/s of expert bytes with avx512 (51-54 % of
-~50 GB/s; 4.4 ms per layer), 14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts:
-270-560 tokens/s (57-120 GMAC/s), against 7-27 tokens/s for dequantise-to-bf16 (98 % of that time) + torch's
-bf16 GEMM (which alone runs 170-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
+sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one released-geometry layer (6 of
+128 MXFP4 experts of 5120 x 2304, 113 MB per step) 29.5-30.5 GB/s of expert bytes with avx512 (58-59 % of
+51 GB/s; 4.0 ms per layer), 13-14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts
+(24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
+of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 """
 import ctypes
 import functools
