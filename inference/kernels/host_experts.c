@@ -2,15 +2,16 @@
  * activations, exact products, fp32 sums. host_experts.py builds this file (gcc -O3 -shared -fPIC, once per
  * variant, cached) and keeps the torch version it must agree with; the numbers are explained there.
  *
- * One variant per build, chosen by the compiler flags: AVX-512F, AVX2 + FMA, or portable C. Each runs a list
- * of jobs (one projection of one expert on its tokens) split into chunks of 32 weight rows, which the calling
- * thread and n_threads - 1 pthreads take in turn from a shared counter.
+ * One variant per build, chosen by the compiler flags: AVX-512 (F, BW), AVX2 + FMA, or portable C. Each runs
+ * a list of jobs (one projection of one expert on its tokens) split into chunks of CHUNK weight rows, which
+ * the calling thread and n_threads - 1 pthreads take in turn from a shared counter.
  *
  * Weights, one expert's projection [N, K]:
  *   fp4: bytes [N, K/2], low nibble = even element, E2M1 code (bit 3 = sign); UE8M0 scales [N, K/32].
  *   fp8: E4M3 bytes [N, K]; UE8M0 scales [ceil(N/32), K/32], one per 32 x 32 block.
- * Activations x [M, K] fp32 (act_quant's q * s, exact); for fp4, each 32-block reordered as its 16 even
- * elements then its 16 odd ones (the order the nibbles unpack in). Scale byte e means 2^(e - 127); byte 0 is
+ * Activations x [M, K] fp32 (act_quant's q * s, exact; he_act_quant makes them) in the order the weights
+ * unpack in: fp8 as is; fp4 each 32-block as its 16 even elements then its 16 odd ones, or on AVX-512 each
+ * 128 as [8, 16] (see tile_fp4), K padded to 128. Scale byte e means 2^(e - 127); byte 0 is
  * 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not expected (checkpoints have none).
  */
 #include <math.h>
