@@ -2,6 +2,7 @@
 
     python -m inference.tools.bench                       # tiny (fixture-shaped) and large random models
     python -m inference.tools.bench --models large --contexts 1024,8192 --decode-steps 8
+    python -m inference.tools.bench experts [--json]      # the CPU routed-expert kernel (bench_experts.py)
 
 Each model is a synthetic random checkpoint in the real formats (tools/synthetic.py + convert.py, cached
 under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
@@ -142,6 +143,10 @@ def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: i
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["experts"]:                  # the CPU routed-expert kernel: its own options
+        from .bench_experts import main as experts_main
+        return experts_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
     ap.add_argument("--contexts", default="1024,8192", help="prompt lengths to decode after")

@@ -1,0 +1,384 @@
+/* Routed experts on the CPU, from their stored bytes: MXFP4 or FP8 weights times dequantised E4M3
+ * activations, exact products, fp32 sums. host_experts.py builds this file (gcc -O3 -shared -fPIC, once per
+ * variant, cached) and keeps the torch version it must agree with; the numbers are explained there.
+ *
+ * One variant per build, chosen by the compiler flags: AVX-512 (F, BW), AVX2 + FMA, or portable C. Each runs
+ * a list of jobs (one projection of one expert on its tokens) split into chunks of CHUNK weight rows, which
+ * the calling thread and n_threads - 1 pthreads take in turn from a shared counter.
+ *
+ * Weights, one expert's projection [N, K]:
+ *   fp4: bytes [N, K/2], low nibble = even element, E2M1 code (bit 3 = sign); UE8M0 scales [N, K/32].
+ *   fp8: E4M3 bytes [N, K]; UE8M0 scales [ceil(N/32), K/32], one per 32 x 32 block.
+ * Activations x [M, K] fp32 (act_quant's q * s, exact; he_act_quant makes them) in the order the weights
+ * unpack in: fp8 as is; fp4 each 32-block as its 16 even elements then its 16 odd ones, or on AVX-512 each
+ * 128 as [8, 16] (see tile_fp4), K padded to 128. Scale byte e means 2^(e - 127); byte 0 is
+ * 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not expected (checkpoints have none).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLK 32   /* elements per scale block along K */
+#define CHUNK 256 /* weight rows per work item: whole FP8 scale rows (32), and long for the prefetch */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VARIANT "avx512"  /* F and BW */
+#define WIDTH 16
+#define ROWS 4 /* rows x tokens held in registers per tile: 16 accumulators */
+#define TOKS 4
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vsum(a) _mm512_reduce_add_ps(a)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VARIANT "avx2"
+#define WIDTH 8
+#define ROWS 2 /* 16 ymm registers: 4 accumulators, 8 weight vectors */
+#define TOKS 2
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define VARIANT "scalar"
+#define WIDTH 1
+#define ROWS 4
+#define TOKS 1
+typedef float vec;
+#define vzero() 0.0f
+#define vload(p) (*(p))
+#define vfma(a, b, c) ((a) * (b) + (c))
+#define vsum(a) (a)
+#endif
+
+#define PARTS (BLK / WIDTH) /* vectors per 32-block */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float bits_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* UE8M0 byte -> 2^(e - 127) (byte 0: the subnormal 2^-127, byte 255: inf, as quant.ue8m0_to_float). */
+static inline float ue8m0(uint8_t e) {
+    return e ? bits_float((uint32_t)e << 23) : bits_float(1u << 22);
+}
+
+/* ---- one 32-block of one weight row -> PARTS vectors of its exact fp32 values ---- */
+
+/* fp4: the 16 bytes of the block at p, scale byte e; out in the activation order (even elements first). */
+static inline void decode_fp4(const uint8_t *p, uint8_t e, vec out[PARTS]) {
+    float sc = ue8m0(e);
+#if WIDTH == 16
+    /* the value table, scaled once per block (exact: <= 2 significant bits times a power of two), looked
+       up with vpermps, which reads the low 4 bits of each index: the low nibble as is, the high one
+       shifted */
+    __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(sc));
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    out[0] = _mm512_permutexvar_ps(v, tab);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+#elif WIDTH == 8
+    /* vpermps reaches 8 entries: the magnitude from the low 3 bits, the code's sign bit moved to bit 31 */
+    __m256 tab = _mm256_mul_ps(_mm256_loadu_ps(E2M1), _mm256_set1_ps(sc));
+    __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        __m256i s_lo = _mm256_and_si256(_mm256_slli_epi32(v, 28), sign);
+        __m256i s_hi = _mm256_and_si256(_mm256_slli_epi32(v, 24), sign);
+        __m256 lo = _mm256_permutevar8x32_ps(tab, v);
+        __m256 hi = _mm256_permutevar8x32_ps(tab, _mm256_srli_epi32(v, 4));
+        out[h] = _mm256_xor_ps(lo, _mm256_castsi256_ps(s_lo));
+        out[2 + h] = _mm256_xor_ps(hi, _mm256_castsi256_ps(s_hi));
+    }
+#else
+    for (int i = 0; i < 16; i++) {
+        out[i] = E2M1[p[i] & 15] * sc;
+        out[16 + i] = E2M1[p[i] >> 4] * sc;
+    }
+#endif
+}
+
+/* fp8: the 32 bytes of the block at p, scale byte e. An E4M3 code's magnitude bits placed at fp32 bits
+   20..26 read as its value times 2^-120 (subnormal codes included: they land on fp32 subnormals), and the
+   sign at bit 31; times 2^(e - 7) that is the value times the scale, in one exact multiply. Scales from
+   2^8 up (e >= 135) do not fit 2^(e - 7): two multiplies, as the torch version does. */
+static inline void decode_fp8(const uint8_t *p, uint8_t e, vec out[PARTS]) {
+    float f1 = e < 135 ? bits_float((uint32_t)(e + 120) << 23) : bits_float(247u << 23);
+    float f2 = e < 135 ? 1.0f : ue8m0(e);
+#if WIDTH > 1
+    for (int q = 0; q < PARTS; q++) {
+#if WIDTH == 16
+        __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * q)));
+        /* sign-extended byte << 20: bits 20..26 = magnitude, 27..31 = copies of the sign -> keep bit 31 */
+        v = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32((int)0x87F00000u));
+        __m512 w = _mm512_mul_ps(_mm512_castsi512_ps(v), _mm512_set1_ps(f1));
+        out[q] = f2 == 1.0f ? w : _mm512_mul_ps(w, _mm512_set1_ps(f2));
+#else
+        __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * q)));
+        v = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87F00000u));
+        __m256 w = _mm256_mul_ps(_mm256_castsi256_ps(v), _mm256_set1_ps(f1));
+        out[q] = f2 == 1.0f ? w : _mm256_mul_ps(w, _mm256_set1_ps(f2));
+#endif
+    }
+#else
+    for (int i = 0; i < BLK; i++) {
+        uint32_t b = (uint32_t)(int32_t)(int8_t)p[i];
+        out[i] = bits_float((b << 20) & 0x87F00000u) * f1 * f2;
+    }
+#endif
+}
+
+/* ---- a tile: R weight rows x T tokens, over all of K ---- */
+
+typedef struct {
+    const uint8_t *w, *s; /* this job's weight and scale bytes */
+    const float *x;       /* [m, K] activations */
+    float *y;             /* [m, ldy] outputs (this projection's columns) */
+    int64_t n, m, ldy;
+} job_t;
+
+static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k, int fp4, int64_t r0,
+                                                       int64_t t0, const int R, const int T) {
+    const int64_t kb_n = k / BLK;
+    vec acc[ROWS * 2][TOKS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = vzero();
+    for (int64_t kb = 0; kb < kb_n; kb++) {
+        vec wv[ROWS * 2][PARTS];
+        for (int r = 0; r < R; r++) {
+            int64_t row = r0 + r;
+            const int64_t row_bytes = fp4 ? k / 2 : k, block_bytes = fp4 ? 16 : BLK;
+            if (fp4)
+                decode_fp4(j->w + row * (k / 2) + kb * 16, j->s[row * kb_n + kb], wv[r]);
+            else
+                decode_fp8(j->w + row * k + kb * BLK, j->s[(row / BLK) * kb_n + kb], wv[r]);
+#if WIDTH > 1 /* the tile after next, in step (as tile_fp4 does) */
+            __builtin_prefetch(j->w + (row + 2 * R) * row_bytes + kb * block_bytes);
+#endif
+        }
+        for (int t = 0; t < T; t++) {
+            const float *xp = j->x + (t0 + t) * k + kb * BLK;
+            for (int q = 0; q < PARTS; q++) {
+                vec xv = vload(xp + q * WIDTH);
+                for (int r = 0; r < R; r++) acc[r][t] = vfma(wv[r][q], xv, acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = vsum(acc[r][t]);
+}
+
+#if WIDTH == 16
+/* AVX-512 MXFP4 works on groups of 4 blocks (64 bytes, 128 elements, one load): dword d of the load holds
+   elements 8d .. 8d + 7 as nibbles, so nibble q of every dword (the load shifted right by 4q; vpermps reads
+   the low 4 bits) is the vector of elements 8d + q, d = 0..15, whose lanes 4b .. 4b + 3 lie in block b.
+   The activations come in that order (host_experts.py: each 128 as [8, 16], K padded with zeros to a
+   multiple of 128, kx columns). A row's 4 scales, one per 4 lanes, multiply the weights (or, for one
+   token, the row's 8 partial sums once: exact, a power of two). */
+
+/* the scale bytes of blocks 0 .. nb - 1 at s -> 2^(e - 127) in lanes 4b .. 4b + 3 (missing blocks: byte 0,
+   times zero weights) */
+static inline __m512 scales16(const uint8_t *s, int nb) {
+    uint32_t b = 0;
+    if (nb == 4)
+        memcpy(&b, s, 4); /* one load (a memcpy of a variable size would be a call) */
+    else
+        for (int i = 0; i < nb; i++) b |= (uint32_t)s[i] << (8 * i);
+    const __m512i spread = _mm512_set_epi32(
+        (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u,
+        (int)0x80808002u, (int)0x80808002u, (int)0x80808002u, (int)0x80808002u,
+        (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u,
+        (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u);
+    __m512i e = _mm512_shuffle_epi8(_mm512_set1_epi32((int)b), spread);         /* byte b/4 per lane */
+    /* e << 23 is 2^(e - 127) as fp32 bits; byte 0 gives 0, raised to 2^-127's bits (below every other) */
+    e = _mm512_max_epu32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(e);
+}
+
+static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64_t k, int64_t r0,
+                                                           int64_t t0, const int R, const int T) {
+    const int64_t kb_n = k / BLK, groups = (kb_n + 3) / 4, kx = groups * 128;
+    const __m512 tab = _mm512_loadu_ps(E2M1);
+    __m512 acc[2 * ROWS][TOKS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        int nb = kb_n - 4 * g < 4 ? (int)(kb_n - 4 * g) : 4;
+        __mmask16 lanes = nb == 4 ? (__mmask16)0xFFFF : (__mmask16)((1u << (4 * nb)) - 1);
+        __m512i v[2 * ROWS];
+        for (int r = 0; r < R; r++) {
+            v[r] = _mm512_maskz_loadu_epi32(lanes, j->w + (r0 + r) * (k / 2) + 64 * g);
+            /* the next tile's rows, in step: R streams of k/2 bytes are too short for the hardware
+               prefetchers to find in time (a prefetch past the end does not fault) */
+            _mm_prefetch((const char *)(j->w + (r0 + 2 * R + r) * (k / 2) + 64 * g), _MM_HINT_T0);
+            if (g % 16 == 0)
+                _mm_prefetch((const char *)(j->s + (r0 + 2 * R + r) * kb_n + 4 * g), _MM_HINT_T0);
+        }
+        if (T == 1) {
+            const float *xp = j->x + t0 * kx + 128 * g;
+            __m512 part[2 * ROWS];
+            for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
+            for (int q = 0; q < 8; q++) {
+                __m512 xv = _mm512_loadu_ps(xp + 16 * q);
+                for (int r = 0; r < R; r++) {
+                    part[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v[r], tab), xv, part[r]);
+                    v[r] = _mm512_srli_epi32(v[r], 4);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                acc[r][0] = _mm512_fmadd_ps(part[r], scales16(j->s + (r0 + r) * kb_n + 4 * g, nb), acc[r][0]);
+        } else {
+            __m512 sv[2 * ROWS];
+            for (int r = 0; r < R; r++) sv[r] = scales16(j->s + (r0 + r) * kb_n + 4 * g, nb);
+            for (int q = 0; q < 8; q++) {
+                __m512 w[2 * ROWS];
+                for (int r = 0; r < R; r++) {
+                    w[r] = _mm512_mul_ps(_mm512_permutexvar_ps(v[r], tab), sv[r]);
+                    v[r] = _mm512_srli_epi32(v[r], 4);
+                }
+                for (int t = 0; t < T; t++) {
+                    __m512 xv = _mm512_loadu_ps(j->x + (t0 + t) * kx + 128 * g + 16 * q);
+                    for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#define TILE(j, k, fp4, r, t, R, T) ((fp4) ? tile_fp4(j, k, r, t, R, T) : tile(j, k, 0, r, t, R, T))
+#else
+#define TILE(j, k, fp4, r, t, R, T) tile(j, k, fp4, r, t, R, T)
+#endif
+
+/* Rows [r0, r1) of job j: tiles of ROWS x TOKS, a decode step (one token) 2 * ROWS rows at a time (more
+   independent sums in flight while the weights stream), single rows and tokens at the edges. */
+static void rows(const job_t *j, int64_t k, int fp4, int64_t r0, int64_t r1) {
+    int64_t t = 0;
+    if (j->m == 1) {
+        int64_t r = r0;
+        for (; r + 2 * ROWS <= r1; r += 2 * ROWS) TILE(j, k, fp4, r, 0, 2 * ROWS, 1);
+        for (; r < r1; r++) TILE(j, k, fp4, r, 0, 1, 1);
+        return;
+    }
+    for (; t + TOKS <= j->m; t += TOKS) {
+        int64_t r = r0;
+        for (; r + ROWS <= r1; r += ROWS) TILE(j, k, fp4, r, t, ROWS, TOKS);
+        for (; r < r1; r++) TILE(j, k, fp4, r, t, 1, TOKS);
+    }
+    for (; t < j->m; t++) {
+        int64_t r = r0;
+        for (; r + ROWS <= r1; r += ROWS) TILE(j, k, fp4, r, t, ROWS, 1);
+        for (; r < r1; r++) TILE(j, k, fp4, r, t, 1, 1);
+    }
+}
+
+/* ---- the jobs, split into chunks of CHUNK rows, taken from a shared counter ---- */
+
+typedef struct {
+    const job_t *jobs;
+    const int64_t *first; /* [n_jobs + 1]: index of each job's first chunk */
+    int64_t n_jobs, k, next;
+    int fp4;
+} work_t;
+
+static void *worker(void *arg) {
+    work_t *wk = (work_t *)arg;
+    int64_t total = wk->first[wk->n_jobs], j = 0;
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&wk->next, 1, __ATOMIC_RELAXED);
+        if (c >= total) return NULL;
+        while (wk->first[j + 1] <= c) j++; /* a thread's chunks come in increasing order */
+        const job_t *jb = &wk->jobs[j];
+        int64_t r0 = (c - wk->first[j]) * CHUNK, r1 = r0 + CHUNK < jb->n ? r0 + CHUNK : jb->n;
+        rows(jb, wk->k, wk->fp4, r0, r1);
+    }
+}
+
+/* ---- activations: reference.act_quant, dequantised, in the kernel's order ---- */
+
+/* fp32 |v| <= 448 -> the nearest E4M3 value, ties to even (subnormals: multiples of 2^-9) */
+static inline float e4m3_round(float v) {
+    float a = v < 0 ? -v : v, r;
+    if (a >= 0x1p-6f) {
+        uint32_t b;
+        memcpy(&b, &a, 4);
+        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u; /* 3 mantissa bits, ties to even */
+        r = bits_float(b);
+    } else {
+        r = (a + 0x1p14f) - 0x1p14f; /* fp32's spacing at 2^14 is 2^-9: rounds to the subnormal grid */
+    }
+    return signbit(v) ? -r : r; /* -0 stays -0, as in torch */
+}
+
+/* x [m, k] bf16 bits -> out [m, kx] fp32: per 32, s = ceil_pow2(max(amax, fl32(1e-4)) * fl32(1/448)),
+   e4m3(clamp(x / s, +-448)) * s, the numbers of reference.act_quant and fast.quant_act. order: 0 as is,
+   1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after). */
+void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t kx, int order) {
+    const float c448 = 1.0f / 448.0f, floor_amax = 1e-4f;
+    for (int64_t i = 0; i < m; i++) {
+        float *o = out + i * kx;
+        for (int64_t c = k; c < kx; c++) /* the padding's elements, wherever the order puts them */
+            o[(c / 128) * 128 + (c % 8) * 16 + (c % 128) / 8] = 0.0f;
+        for (int64_t b0 = 0; b0 < k; b0 += BLK) {
+            float g[BLK], amax = 0.0f;
+            for (int e = 0; e < BLK; e++) {
+                g[e] = bits_float((uint32_t)x[i * k + b0 + e] << 16);
+                float a = g[e] < 0 ? -g[e] : g[e];
+                amax = a > amax ? a : amax;
+            }
+            amax = amax > floor_amax ? amax : floor_amax;
+            float t = amax * c448;
+            uint32_t tb;
+            memcpy(&tb, &t, 4);
+            float sc = bits_float((tb + 0x7FFFFFu) & 0x7F800000u); /* the next power of two up */
+            for (int e = 0; e < BLK; e++) {
+                float v = g[e] / sc;
+                v = v > 448.0f ? 448.0f : v < -448.0f ? -448.0f : v;
+                int64_t col = b0 + e, pos = col;
+                if (order == 1)
+                    pos = b0 + (e & 1) * 16 + e / 2;
+                else if (order == 2)
+                    pos = (col / 128) * 128 + (col % 8) * 16 + (col % 128) / 8;
+                o[pos] = e4m3_round(v) * sc;
+            }
+        }
+    }
+}
+
+const char *he_variant(void) { return VARIANT; }
+
+/* jobs: n_jobs x 7 int64 (w, s, x, y pointers, n, m, ldy). first: n_jobs + 1 int64 of scratch.
+   fmt: 4 (MXFP4) or 8 (FP8). Returns 0, or -1 for a bad argument. */
+int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int fmt, int n_threads) {
+    if (k <= 0 || k % BLK || (fmt != 4 && fmt != 8) || n_jobs < 0) return -1;
+    job_t js[n_jobs > 0 ? n_jobs : 1];
+    first[0] = 0;
+    for (int64_t i = 0; i < n_jobs; i++) {
+        const int64_t *d = jobs + 7 * i;
+        js[i] = (job_t){(const uint8_t *)(intptr_t)d[0], (const uint8_t *)(intptr_t)d[1],
+                        (const float *)(intptr_t)d[2], (float *)(intptr_t)d[3], d[4], d[5], d[6]};
+        first[i + 1] = first[i] + (js[i].m > 0 ? (js[i].n + CHUNK - 1) / CHUNK : 0);
+    }
+    work_t wk = {js, first, n_jobs, k, 0, fmt == 4};
+    if (n_threads > 64) n_threads = 64;
+    pthread_t th[64];
+    int started = 0;
+    for (int i = 1; i < n_threads && first[n_jobs] > i; i++) /* no more threads than chunks */
+        if (pthread_create(&th[started], NULL, worker, &wk) == 0) started++;
+    worker(&wk); /* a thread that could not start leaves its chunks to the others */
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    return 0;
+}

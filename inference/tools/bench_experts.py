@@ -1,0 +1,188 @@
+"""Benchmark the CPU routed-expert kernel (inference/kernels/host_experts.py) on one MoE layer of the released
+geometry.
+
+    python -m inference.tools.bench experts [--json] [--experts 128] [--threads 2]
+
+Prints: the machine's memory read bandwidth (a streaming sum over a large buffer, best of a few); routed
+decode at batch 1 (dim 5120, experts of moe_inter_dim 2304 in MXFP4, top-6, 6 random experts per step out of
+--experts held in memory, far beyond the caches) in GB/s of expert bytes and as a share of the read
+bandwidth; a 512-token prefill (top-6 over the held experts) in tokens/s and GMAC/s, and the kernel against
+"dequantise each active expert once into bf16, torch's GEMM" on a subset of the active experts; the kernel's
+build time and peak RSS. Figures are printed, never asserted.
+"""
+import argparse
+import functools
+import json
+import resource
+import tempfile
+import time
+
+import torch
+
+from ..kernels import host_experts as he
+from ..kernels.fast import dequant_weight
+
+DIM, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
+
+
+def read_bandwidth(gib: float = 2.0, repeats: int = 4) -> float:
+    """GB/s of a streaming read: torch's sum over a `gib` GiB fp32 buffer, best of `repeats`."""
+    buf = torch.ones(int(gib * 2 ** 30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def random_experts(n: int, gen: torch.Generator):
+    """{projection: (weight [n, out, in/2] uint8, scale [n, out, in/32] uint8)} of n random MXFP4 experts."""
+    shapes = {"w1": (INTER, DIM), "w3": (INTER, DIM), "w2": (DIM, INTER)}
+    return {p: (torch.randint(0, 256, (n, o, i // 2), dtype=torch.uint8, generator=gen),
+                torch.randint(118, 126, (n, o, i // 32), dtype=torch.uint8, generator=gen))
+            for p, (o, i) in shapes.items()}
+
+
+def expert_bytes(experts) -> int:
+    """Stored bytes (weights and scales) of one expert."""
+    return sum(w[0].numel() + s[0].numel() for w, s in experts.values())
+
+
+def decode(experts, steps: int, gen: torch.Generator, variant: str):
+    """-> (best GB/s of expert bytes, median ms per step): one token, 6 random experts per step."""
+    n = experts["w1"][0].shape[0]
+    act = functools.partial(he.swiglu, limit=LIMIT)
+    times = []
+    for _ in range(steps):
+        x = torch.randn(1, DIM, generator=gen).bfloat16().expand(TOPK, DIM)       # the token, once per expert
+        sel = torch.randperm(n, generator=gen)[:TOPK].tolist()
+        rw = torch.rand(TOPK, generator=gen)
+        t = time.perf_counter()
+        he.expert_swiglu(x, [1] * TOPK, sel, rw, experts["w1"], experts["w3"], experts["w2"], "fp4", act,
+                         variant)
+        times.append(time.perf_counter() - t)
+    per_step = TOPK * expert_bytes(experts)
+    return per_step / min(times) / 1e9, 1e3 * sorted(times)[len(times) // 2]
+
+
+def routed(tokens: int, n: int, gen: torch.Generator):
+    """A prefill's selections: (counts, expert ids) over the active experts in increasing id, and the token
+    of each row, rows grouped by expert."""
+    idx = torch.rand(tokens, n, generator=gen).topk(TOPK, dim=1).indices      # [T, k] distinct per token
+    order = idx.flatten().argsort(stable=True)
+    counts = torch.bincount(idx.flatten(), minlength=n)
+    active = [e for e in range(n) if counts[e]]
+    return [int(counts[e]) for e in active], active, order // TOPK
+
+
+def dequant_gemm(x, counts, sel, experts):
+    """The comparison: each active expert's three projections dequantised once into bf16, torch's GEMM.
+    -> seconds spent dequantising, seconds in the GEMMs and the SwiGLU."""
+    act = functools.partial(he.swiglu, limit=LIMIT)
+    t_deq = t_gemm = 0.0
+    start = 0
+    for e, c in zip(sel, counts):
+        t = time.perf_counter()
+        w = {p: dequant_weight(wt[e], sc[e], "fp4", torch.bfloat16) for p, (wt, sc) in experts.items()}
+        t_deq += time.perf_counter() - t
+        t = time.perf_counter()
+        xe = x[start:start + c]
+        h = act(xe @ w["w1"].t(), xe @ w["w3"].t(), None).to(torch.bfloat16)
+        h @ w["w2"].t()
+        t_gemm += time.perf_counter() - t
+        start += c
+    return t_deq, t_gemm
+
+
+def prefill(experts, tokens: int, subset: int, gen: torch.Generator, variant: str) -> dict:
+    n = experts["w1"][0].shape[0]
+    counts, sel, tok = routed(tokens, n, gen)
+    x = torch.randn(tokens, DIM, generator=gen).bfloat16()[tok]                # [T k, D] grouped by expert
+    rw = torch.rand(len(tok), generator=gen)
+    act = functools.partial(he.swiglu, limit=LIMIT)
+    run = lambda c, s, xs: he.expert_swiglu(xs, c, s, rw[:xs.shape[0]], experts["w1"], experts["w3"],
+                                            experts["w2"], "fp4", act, variant)
+    t = time.perf_counter()
+    run(counts, sel, x)
+    t_all = time.perf_counter() - t
+    macs = 3 * DIM * INTER * len(tok)
+    # the comparison on the first `subset` active experts (dequantising all of them takes long)
+    c_sub, s_sub = counts[:subset], sel[:subset]
+    x_sub = x[:sum(c_sub)]
+    t = time.perf_counter()
+    run(c_sub, s_sub, x_sub)
+    t_kernel = time.perf_counter() - t
+    t_deq, t_gemm = dequant_gemm(x_sub, c_sub, s_sub, experts)
+    t_base = t_deq + t_gemm
+    macs_sub = 3 * DIM * INTER * x_sub.shape[0]
+    return {"prefill_tokens": tokens, "prefill_active_experts": len(sel),
+            "prefill_tokens_per_s": tokens / t_all, "prefill_gmacs": macs / t_all / 1e9,
+            "prefill_subset_experts": len(s_sub), "prefill_subset_kernel_gmacs": macs_sub / t_kernel / 1e9,
+            "prefill_subset_dequant_gemm_gmacs": macs_sub / t_base / 1e9,
+            "prefill_subset_dequant_share": t_deq / t_base,
+            "prefill_subset_bf16_gemm_gmacs": macs_sub / t_gemm / 1e9,
+            "prefill_dequant_gemm_tokens_per_s_est": tokens / (t_all * t_base / t_kernel)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m inference.tools.bench experts", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=128, help="routed experts held in memory (18.8 MB each)")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps")
+    ap.add_argument("--tokens", type=int, default=512, help="prefill tokens")
+    ap.add_argument("--subset", type=int, default=8, help="active experts in the dequant + GEMM comparison")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="buffer of the read-bandwidth sum")
+    ap.add_argument("--variant", default=None, help="auto, torch, avx512, avx2, scalar (default: "
+                    f"${he.ENV} or auto)")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    opts = ap.parse_args(argv)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    gen = torch.Generator().manual_seed(0)
+    say = (lambda *_: None) if opts.json else print
+    variant = he.resolve(opts.variant)
+    r = {"kernel_variant": variant, "threads": torch.get_num_threads()}
+    if variant != "torch":
+        with tempfile.TemporaryDirectory() as d:                     # a build from scratch, timed
+            t = time.perf_counter()
+            he.build(variant, cache_dir=d)
+            r["build_s"] = time.perf_counter() - t
+    say(f"kernel {variant}, {r['threads']} threads, torch {torch.__version__}"
+        + (f", build {r['build_s']:.2f} s (uncached)" if "build_s" in r else ""))
+    r["read_bandwidth_gbs"] = read_bandwidth(opts.bandwidth_gib)
+    say(f"read bandwidth: {r['read_bandwidth_gbs']:.1f} GB/s (sum over {opts.bandwidth_gib:g} GiB, "
+        "best of 4)")
+    experts = random_experts(opts.experts, gen)
+    per = expert_bytes(experts)
+    say(f"{opts.experts} MXFP4 experts of {DIM} x {INTER}: {per / 1e6:.1f} MB each, "
+        f"{opts.experts * per / 1e9:.2f} GB held")
+    he.expert_swiglu(torch.zeros(1, DIM, dtype=torch.bfloat16), [1], [0], torch.ones(1), experts["w1"],
+                     experts["w3"], experts["w2"], "fp4", functools.partial(he.swiglu, limit=LIMIT), variant)
+    r["routed_decode_gbs"], r["routed_decode_ms"] = decode(experts, opts.steps, gen, variant)
+    r["routed_decode_fraction"] = r["routed_decode_gbs"] / r["read_bandwidth_gbs"]
+    say(f"decode, batch 1, top-{TOPK}: {r['routed_decode_gbs']:.1f} GB/s of expert bytes (best step), "
+        f"{100 * r['routed_decode_fraction']:.0f} % of the read bandwidth; median "
+        f"{r['routed_decode_ms']:.2f} ms per layer ({TOPK * per / 1e6:.0f} MB)")
+    r.update(prefill(experts, opts.tokens, opts.subset, gen, variant))
+    faster = "kernel" if r["prefill_subset_kernel_gmacs"] > r["prefill_subset_dequant_gemm_gmacs"] else \
+        "dequant + GEMM"
+    r["prefill_faster"] = faster
+    say(f"prefill, {opts.tokens} tokens over {r['prefill_active_experts']} active experts: "
+        f"{r['prefill_tokens_per_s']:.1f} tokens/s, {r['prefill_gmacs']:.1f} GMAC/s")
+    say(f"  on {r['prefill_subset_experts']} of them: kernel {r['prefill_subset_kernel_gmacs']:.1f} GMAC/s, "
+        f"dequantise to bf16 + torch GEMM {r['prefill_subset_dequant_gemm_gmacs']:.1f} GMAC/s "
+        f"({100 * r['prefill_subset_dequant_share']:.0f} % of it dequantising; the GEMMs alone "
+        f"{r['prefill_subset_bf16_gemm_gmacs']:.1f} GMAC/s) "
+        f"(~{r['prefill_dequant_gemm_tokens_per_s_est']:.1f} tokens/s for the whole prefill): "
+        f"{faster} faster")
+    r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    say(f"peak RSS {r['peak_rss_bytes'] / 2 ** 30:.2f} GiB")
+    if opts.json:
+        print(json.dumps(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The CPU routed-expert kernel (inference/kernels/host_experts.c) against its torch specification.
+
+Both form the same exact products (an E4M3 activation times an E2M1 or E4M3 weight times powers of two) and
+sum them in fp32 in different orders. Any order of summing n numbers in fp32 is within gamma(n - 1) * sum|p|
+of the exact sum (Higham, Accuracy and Stability, 4.2: gamma(n) = n u / (1 - n u), u = 2^-24; an FMA of an
+exact product is one rounded addition), so two orders differ by at most 2 gamma(K - 1) sum|p|. After the
+rounding to bf16, which is monotone, they differ by at most that plus one bf16 ulp of the larger.
+"""
+import functools
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from inference.kernels import host_experts as he
+from inference.kernels.fast import dequant_weight, quant_act
+from inference.moe import Expert
+
+NATIVE = ["avx512", "avx2", "scalar"] if he.auto_variant() == "avx512" else \
+    ["avx2", "scalar"] if he.auto_variant() == "avx2" else ["scalar"]
+U = 2.0 ** -24
+
+
+def stored(kind, e, n, k, gen, small=False):
+    """Random stored weights [e, n, ...] and scales: every E2M1 code, or every non-NaN E4M3 code; scale
+    bytes around 2^0 (small: small integers at scale 1, so every sum is exact)."""
+    if kind == "fp4":
+        w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+        if small:
+            w &= 0x77                                               # E2M1 0 .. 6, positive
+        s_shape = (e, n, k // 32)
+    else:
+        w = torch.randint(0, 256, (e, n, k), dtype=torch.uint8, generator=gen)
+        w[(w & 0x7F) == 0x7F] = 0x38                                # no NaN codes; 0x38 is 1.0
+        if small:
+            w = torch.randint(0, 7, (e, n, k), generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+        s_shape = (e, -(-n // 32), k // 32)
+    s = torch.full(s_shape, 127, dtype=torch.uint8) if small else \
+        torch.randint(117, 134, s_shape, dtype=torch.uint8, generator=gen)
+    return w, s
+
+
+def abs_products(x, counts, experts, w, s, kind):
+    """sum_k |a_k w_k| per output, float64 [M, N]: the scale of the summation-order error."""
+    a = quant_act(x, torch.float32).double().abs()
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for e, c in zip(experts, counts):
+        wv = w[e].view(torch.float8_e4m3fn) if kind == "fp8" else w[e]
+        out[start:start + c] = a[start:start + c] @ dequant_weight(wv, s[e], kind, torch.float64).abs().t()
+        start += c
+    return out
+
+
+def bf16_ulp(v):
+    """One bf16 ulp at |v| (8 significant bits), float64."""
+    e = torch.frexp(v.double().abs().clamp_min(2.0 ** -126))[1]
+    return torch.ldexp(torch.ones_like(v, dtype=torch.float64), e - 8)
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("m,n,k", [(1, 37, 64), (3, 70, 160), (16, 45, 96), (5, 33, 384), (2, 600, 64)])
+def test_kernel_matches_spec_within_the_summation_bound(variant, kind, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, s = stored(kind, 4, n, k, gen)
+    counts, experts = [m, 0, 2, 1], [2, 0, 3, 2]                   # an expert twice, one with no rows
+    x = (torch.randn(sum(counts), k, generator=gen) * 3).bfloat16()
+    spec = he.linear_torch(x, counts, experts, w, s, kind)
+    got = he.expert_linears_fp32(x, counts, experts, [(w, s)], kind, variant)[0]
+    bound = 2 * (k - 1) * U / (1 - (k - 1) * U) * abs_products(x, counts, experts, w, s, kind)
+    assert ((got.double() - spec.double()).abs() <= bound).all()
+    got16 = he.expert_linear(x, counts, experts, w, s, kind, variant)
+    spec16 = spec.to(torch.bfloat16)
+    ulp = bf16_ulp(torch.maximum(got16.double().abs(), spec16.double().abs()))
+    assert ((got16.double() - spec16.double()).abs() <= bound + ulp).all()
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("k", [32, 256])
+def test_exact_sums_are_bit_identical(variant, kind, k):
+    """Small integers (x quantised to multiples of 1/64 at most 7, weights 0 .. 6 at scale 1): every partial
+    sum is exact in fp32, so no order can change a bit."""
+    gen = torch.Generator().manual_seed(k)
+    w, s = stored(kind, 3, 41, k, gen, small=True)
+    x = torch.randint(-7, 8, (7, k), generator=gen).bfloat16()
+    x[:, 0] = 7                                                     # amax 7: the scale 2^-6, codes 64 x
+    counts, experts = [1, 4, 2], [1, 0, 2]
+    spec = he.linear_torch(x, counts, experts, w, s, kind).to(torch.bfloat16)
+    got = he.expert_linear(x, counts, experts, w, s, kind, variant)
+    assert torch.equal(got.view(torch.int16), spec.view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+def test_two_projections_in_one_call_and_threads(variant):
+    """w1 and w3 in one call equal two calls; 1 and 2 threads give the same bits (each output is one
+    thread's sum)."""
+    gen = torch.Generator().manual_seed(5)
+    (w1, s1), (w3, s3) = stored("fp4", 3, 40, 128, gen), stored("fp4", 3, 72, 128, gen)
+    x = torch.randn(5, 128, generator=gen).bfloat16()
+    counts, experts = [2, 3], [2, 0]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = he.expert_linears(x, counts, experts, [(w1, s1), (w3, s3)], "fp4", variant)
+        torch.set_num_threads(2)
+        two = he.expert_linears(x, counts, experts, [(w1, s1), (w3, s3)], "fp4", variant)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], he.expert_linear(x, counts, experts, w1, s1, "fp4", variant))
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
+    """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks
+    (E4M3 subnormals, ties: bf16 inputs have 8 significant bits), a zero row (the 1e-4 floor), -0."""
+    gen = torch.Generator().manual_seed(order)
+    x = torch.randn(9, 160, generator=gen) * torch.pow(2.0, torch.randint(-40, 41, (9, 160), generator=gen))
+    x[2] = 0
+    x[3, :32] = -0.0
+    x[4] = torch.randn(160, generator=gen) * 1e-6
+    x = x.bfloat16()
+    lib = he._library(variant, he._compiler(), he._cache_dir())
+    got = he._activations(lib, x, order)
+    want = he.activations_torch(x, order)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_swiglu_is_the_experts():
+    """host_experts.swiglu is moe.Expert.swiglu's arithmetic (the clamps, the routing weight)."""
+    gen = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(2, 6, 40, generator=gen) * 8).bfloat16()
+    weights = torch.rand(6, 1, generator=gen)
+    expert = SimpleNamespace(limit=7.0, nx=SimpleNamespace(silu=torch.nn.functional.silu))
+    assert torch.equal(he.swiglu(gate, up, weights, 7.0), Expert.swiglu(expert, gate, up, weights))
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_expert_swiglu_native_vs_torch(kind):
+    """A whole expert set: the same as the torch path up to the summation order (gate and up rounded to
+    bf16 can differ by an ulp where a sum lies near a rounding boundary, so compared loosely here; each GEMM
+    is held to its bound above)."""
+    gen = torch.Generator().manual_seed(2)
+    d, i = 96, 64
+    w1, w3 = stored(kind, 4, i, d, gen), stored(kind, 4, i, d, gen)
+    w2 = stored(kind, 4, d, i, gen)
+    x = torch.randn(6, d, generator=gen).bfloat16()
+    rw = torch.rand(6, generator=gen)
+    counts, experts = [1, 1, 4], [3, 0, 1]
+    act = functools.partial(he.swiglu, limit=10.0)
+    got = he.expert_swiglu(x, counts, experts, rw, w1, w3, w2, kind, act, NATIVE[0])
+    spec = he.expert_swiglu(x, counts, experts, rw, w1, w3, w2, kind, act, "torch")
+    assert got.shape == (6, d) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), spec.float(), rtol=0.02, atol=0.02 * spec.float().abs().max())
+
+
+def test_bad_input_is_one_line():
+    w, s = stored("fp4", 2, 8, 64, torch.Generator().manual_seed(0))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not cover"):
+        he.expert_linear(x, [1, 1], [0, 1], w, s, "fp4", "torch")
+    with pytest.raises(ValueError, match="outside the 2 stored experts"):
+        he.expert_linear(x, [3], [2], w, s, "fp4", "torch")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        he.expert_linear(torch.zeros(3, 48, dtype=torch.bfloat16), [3], [0], w, s, "fp4", "torch")
+    with pytest.raises(ValueError, match="unknown variant"):
+        he.expert_linear(x, [3], [0], w, s, "fp4", "avx9")
+
+
+def test_without_a_compiler_the_torch_path_runs_and_says_so_once(tmp_path):
+    """CC names no program, an empty cache: one line on stderr, then the torch path, the same numbers."""
+    code = (
+        "import torch\n"
+        "from inference.kernels import host_experts as he\n"
+        "w = torch.randint(0, 256, (2, 8, 32), dtype=torch.uint8)\n"
+        "s = torch.full((2, 8, 2), 127, dtype=torch.uint8)\n"
+        "x = torch.randn(3, 64).bfloat16()\n"
+        "a = [he.expert_linear(x, [1, 2], [1, 0], w, s, 'fp4') for _ in range(3)]\n"
+        "b = he.linear_torch(x, [1, 2], [1, 0], w, s, 'fp4').to(torch.bfloat16)\n"
+        "assert all(torch.equal(t, b) for t in a)\n"
+        "print(he.kernel_variant())\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.pop(he.ENV, None)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "torch"
+    notices = [line for line in p.stderr.splitlines() if line.startswith("host experts:")]
+    assert len(notices) == 1 and "torch path" in notices[0], p.stderr
+
+
+def test_forced_torch_path_needs_no_compiler(monkeypatch):
+    monkeypatch.setenv(he.ENV, "torch")
+    assert he.kernel_variant() == "torch"
