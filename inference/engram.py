@@ -328,8 +328,9 @@ class Engram(nn.Module):
         value = kv[..., self.hc * self.dim:].float()                        # [B, S, D]
         w = self.q_weight.float() * self.k_weight.float()                   # [hc, D]
         xf, nx = x.float(), self.nx
-        rstd = nx.rsqrt(nx.mean(xf * xf) + self.eps) * nx.rsqrt(nx.mean(key * key) + self.eps)
-        dot = nx.sum(xf * w * key) * rstd * self.dim ** -0.5                  # [B, S, hc]
+        # Per token and stream (over D only): not jointly over the hc copies.
+        rstd = nx.rsqrt(nx.mean(xf * xf, dim=-1) + self.eps) * nx.rsqrt(nx.mean(key * key, dim=-1) + self.eps)
+        dot = nx.sum(xf * w * key, dim=-1) * rstd * self.dim ** -0.5          # [B, S, hc]
         gate = nx.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if mask is not None:
             gate = gate * mask.unsqueeze(-1)

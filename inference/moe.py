@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from .indexer import topk_indices
 from .kernels import Derived
+from .kernels.fast import fixed_shape_experts
 from .layers import Linear, linear_tensors
 from .state import ForwardCall, ModelContext
 
@@ -81,6 +82,60 @@ def stacked_experts(dim: int, inter_dim: int, kind: str, n: int):
                      for t in linear_tensors(*io, kind)) for p, io in sizes.items()}
 
 
+def active_counts(idx: torch.Tensor, n_experts: int):
+    """How many selections each expert has, read on the host (a sync: one per MoE layer and call)."""
+    return torch.bincount(idx.flatten(), minlength=n_experts).tolist()
+
+
+def looped_experts(moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Each active local expert on its own tokens (the weights as held: no copy per call): the selections
+    sorted by expert (increasing index; each expert's rows in token order), one GEMM per projection.
+    x [N, D], weights and idx [N, k] -> [N, k, D] in x's dtype, zero for other ranks' experts."""
+    n, k = idx.shape
+    counts = active_counts(idx, moe.n_experts)
+    out = x.new_zeros(n, k, x.shape[-1])
+    active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]      # increasing
+    if not active:
+        return out
+    order = idx.flatten().argsort(stable=True)                  # selections grouped by expert, increasing
+    lo = sum(counts[:moe.start])
+    rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]              # this rank's selections
+    sizes = [counts[e] for e in active]
+    parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
+    outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]             # [n_e, D] each
+    out.view(n * k, -1)[rows] = torch.cat(outs)
+    return out
+
+
+class StackedExperts:
+    """How the routed experts are applied when this rank's experts live in one stacked layout per projection
+    on the model's device (the CPU included). With `fixed_shapes` (off the CPU, in an order whose numbers
+    batched GEMMs on dequantised weights give: numerics.gathers_experts), decode steps and small calls (draft
+    blocks) index the stacked layout with shapes fixed by the batch and top-k, no host sync; otherwise each
+    active expert runs on its own tokens (looped_experts, one sync for the counts)."""
+
+    def __init__(self, fixed_shapes: bool):
+        self.fixed_shapes = fixed_shapes
+
+    def apply(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+              decode: bool) -> torch.Tensor:
+        """-> [N, k, D], each selection's expert output (zero for other ranks' experts)."""
+        if self.fixed_shapes and (decode or x.shape[0] <= 16):
+            first = next(e for e in moe.experts if e is not None)
+            return fixed_shape_experts(moe.stacked, first.w1.kind, moe.start, moe.n_local, x, weights, idx,
+                                       first.swiglu)
+        return looped_experts(moe, x, weights, idx)
+
+
+class StreamedExperts:
+    """How the routed experts are applied when their weights stream from disk (engine/offload.py): each
+    expert holds its own tensors, replaced as the blocks stream; each active one runs on its tokens."""
+
+    def apply(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+              decode: bool) -> torch.Tensor:
+        return looped_experts(moe, x, weights, idx)
+
+
 class MoE(nn.Module):
     def __init__(self, ctx: ModelContext, n_experts: int, topk: int, with_bias_vl: bool):
         super().__init__()
@@ -103,6 +158,9 @@ class MoE(nn.Module):
                    self.row(i - self.start))
             if self.start <= i < self.start + self.n_local else None for i in range(n_experts)])
         self.shared_experts = Expert(a.dim, a.moe_inter_dim, a.dtype, ctx)
+        on_gpu = torch.device(ctx.device).type not in ("cpu", "meta")
+        self.routed = (StreamedExperts() if ctx.streamed
+                       else StackedExperts(fixed_shapes=on_gpu and self.nx.gathers_experts))
 
     def row(self, e: int):
         """Local expert e's views of the stacked layout, {projection: (weight, scale)} (None: no layout)."""
@@ -115,7 +173,7 @@ class MoE(nn.Module):
         x = x.view(-1, shape[-1])                                    # [N, D]
         mask = image_mask.reshape(-1) if image_mask is not None else None
         weights, idx = call.per_position(self.gate, x, mask, dim=0)                      # [N, k] each
-        y = self.nx.routed_experts(self, x, weights, idx, decode=shape[1] == 1)          # this rank's share
-        y = self.nx.combine_experts(self.ctx.par.all_reduce(y), idx)                     # [N, D] fp32
+        out = self.routed.apply(self, x, weights, idx, decode=shape[1] == 1)             # [N, k, D]
+        y = self.nx.combine_experts(out, idx, self.ctx.par)      # [N, D] fp32, every rank's, by expert index
         y += self.shared_experts(x)
         return y.to(x.dtype).view(shape)

@@ -210,8 +210,8 @@ def run_phases(rec, model, prompt=24, batch=2):
     return dict(rec.syncs)
 
 
-LOOPED = {("bincount", "inference/kernels/fast.py:routed_experts"),
-          ("value read on the host (item)", "inference/kernels/fast.py:routed_experts")}
+LOOPED = {("bincount", "inference/moe.py:active_counts"),
+          ("value read on the host (item)", "inference/moe.py:active_counts")}
 EXPECTED_FAST = {
     # decode steps (greedy and sampled), the extend and its rollback: none
     # a prefill's routed experts loop over the active experts: their counts are read once per MoE layer
@@ -252,9 +252,7 @@ def test_golden_numerics_on_cuda(tokenizers, monkeypatch):
         assert model.nx.golden and model.ctx.act_dtype == torch.float32
         rec.syncs.clear()
         got = run_phases(rec, model)
-    loop = {("bincount", "inference/kernels/numerics.py:routed_experts"),
-            ("value read on the host (item)", "inference/kernels/numerics.py:routed_experts")}
-    assert got["decode"] == loop and got["prefill"] == loop
+    assert got["decode"] == LOOPED and got["prefill"] == LOOPED
 
 
 @pytest.mark.parametrize("where", ["host", "disk"])

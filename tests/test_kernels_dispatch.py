@@ -21,6 +21,8 @@ from inference.kernels import fast, reference
 from inference.layers import Linear
 from inference.parallel import ParallelContext
 from inference.quant import dequant_fp4_weight, dequant_fp8_weight
+from inference.kernels.fast import fixed_shape_experts
+from inference.moe import looped_experts
 from inference.state import ForwardCall
 
 U = 2.0 ** -24
@@ -273,10 +275,11 @@ def test_fixed_shape_experts_equal_the_expert_loop(par):
         x = torch.randint(-8, 9, (n, exact_moe.ctx.args.dim), generator=gen).bfloat16()
         with torch.inference_mode():
             weights, idx = fast_moe.gate(x)
-            want = exact_moe.nx.routed_experts(exact_moe, x, weights, idx)
-            out = NX_FAST._routed_fixed(fast_moe, x, weights, idx)                      # [N, k, D]
-            got = NX_FAST.combine_experts(out.gather(1, idx.argsort(1).unsqueeze(-1).expand_as(out))
-                                          .float().sum(1), idx)
+            want = exact_moe.nx.combine_experts(looped_experts(exact_moe, x, weights, idx), idx, par)
+            first = fast_moe.experts[fast_moe.start]
+            out = fixed_shape_experts(fast_moe.stacked, first.w1.kind, fast_moe.start, fast_moe.n_local, x,
+                                      weights, idx, first.swiglu)                      # [N, k, D]
+            got = NX_FAST.combine_experts(out, idx, par)
         assert want.abs().sum() > 0 and torch.equal(got, want), n
 
 
@@ -290,8 +293,21 @@ def test_fast_moe_equals_the_expert_loop(par):
         call = ForwardCall.make(0, shape[1], True, exact_moe.ctx.args, False, "cpu")   # (not a VERIFY)
         with torch.inference_mode():
             exact, got = exact_moe(x, call), fast_moe(x, call)
+            loop = plain_expert_loop(exact_moe, x.view(-1, x.shape[-1]), par).to(x.dtype).view(x.shape)
         assert exact.abs().sum() > 0
-        assert torch.equal(got, exact), shape
+        assert torch.equal(got, exact) and torch.equal(exact, loop), shape
+
+
+def plain_expert_loop(moe, x, par):
+    """The reference's MoE written out: per local expert in increasing index, its tokens through it, added
+    into an fp32 sum; all-reduced; the shared expert added."""
+    weights, idx = moe.gate(x)
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(moe.start, moe.start + moe.n_local):
+        tok, slot = torch.where(idx == e)
+        if len(tok):
+            y[tok] += moe.experts[e](x[tok], weights[tok, slot, None])
+    return par.all_reduce(y) + moe.shared_experts(x)
 
 
 # ---- end to end on the fixture ----

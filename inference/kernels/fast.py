@@ -19,7 +19,7 @@ Memory: a non-expert FP8/FP4 weight is dequantised once and kept in the compute 
 bf16 on CUDA, 2 bytes per weight next to its 1 (FP8) or 0.5 (FP4) stored bytes (released config: 6.0 G
 such weights, an 11.1 GiB cache at W = 1); fp32 on CPU, 4 bytes per weight, as the exact path has always
 cached. Routed experts are not cached off CPU: a decode step stacks and dequantises only the experts it
-selects (Fast.routed_experts; released config, batch 1: 6 experts x 3 matrices of 5120 x 2304, 0.4 GiB of
+selects (fixed_shape_experts; released config, batch 1: 6 experts x 3 matrices of 5120 x 2304, 0.4 GiB of
 bf16 for the duration of one layer), a prefill each active expert once per call.
 
 Measured on the reference-tiny fixture, teacher-forced (the prompt, then 20 single-token steps), on CPU:
@@ -177,14 +177,52 @@ def moe_decode(x: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, w1: t
     return F.pad(out, (0, 0, 0, 0, 0, 1))[take, tok]                # [N, k, D]
 
 
+def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, x: torch.Tensor, weights: torch.Tensor,
+                        idx: torch.Tensor, swiglu) -> torch.Tensor:
+    """The routed experts of a decode step (or a small call) with every shape fixed by N, k and the number of
+    local experts E (no host sync): stacked {projection: (weights [E, ...], scales [E, ...] or None)}, this
+    rank's experts start..start + E of `kind`; x [N, D], weights and idx [N, k]; `swiglu(gate, up, weights)`
+    the expert activation -> [N, k, D] bf16, zero for other ranks' experts. With N k <= E, each selection's
+    expert weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k
+    selections; otherwise every local expert runs on every token (moe_decode), which reads no weight twice."""
+    n, k = idx.shape
+    own = (idx >= start) & (idx < start + n_local)                                   # [N, k]
+    local = torch.where(own, idx - start, 0)                                         # [N, k]
+    quantize, dtype = stacked["w1"][1] is not None, compute_dtype(x.device)
+
+    def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
+        w, s = stacked[name]
+        if rows is not None:
+            w = w.view(torch.uint8)[rows].view(w.dtype)
+            s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
+        return dequant_weight(w, s, kind, dtype)
+
+    if n * k <= n_local:
+        sel = local.flatten()                                                        # [N k]
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                              # [N k, 1, D]
+        gate = grouped_gemm(xs, weights_of("w1", sel), quantize)                     # [N k, 1, I]
+        up = grouped_gemm(xs, weights_of("w3", sel), quantize)
+        h = swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
+        out = grouped_gemm(h, weights_of("w2", sel), quantize).view(n, k, -1)        # [N, k, D]
+    else:
+        out = moe_decode(x, torch.where(own, local, -1), weights, weights_of("w1"), weights_of("w3"),
+                         weights_of("w2"), quantize, swiglu)
+    return torch.where(own.unsqueeze(-1), out, 0)
+
+
 # ---- the fast order behind the numerics interface ----
 
 class Fast(Exact):
     """Loop-free torch at the reference's rounding points: GEMMs on weights dequantised once into the compute
-    dtype, batched attention and index scores, gathered routed experts. Golden numerics (no quantisation)
-    keep the exact order's routed-expert loop."""
+    dtype, batched attention and index scores; on a GPU, a decode step's routed experts from batched GEMMs on
+    the experts it selects (fixed_shape_experts, applied by moe.StackedExperts)."""
 
     name = "fast"
+
+    @property
+    def gathers_experts(self) -> bool:
+        """Batched GEMMs on dequantised stacked experts give this order's numbers (not in golden numerics)."""
+        return not self.golden
 
     def dequantized(self, layer, dtype=torch.float32):
         """fp32 as the exact order keeps it; bf16 (the GPU's compute dtype) kept in the layer's Derived
@@ -202,69 +240,3 @@ class Fast(Exact):
 
     def local_index_scores(self, q, keys, w):
         return index_scores(q, keys, w)
-
-    def routed_experts(self, moe, x, weights, idx, decode=False):
-        """Each selection's expert output, summed in increasing expert index as the exact loop adds them. On a
-        GPU, decode steps and small calls (draft blocks) index the MoE's stacked experts with shapes fixed by
-        the batch and top-k (no host sync: _routed_fixed); larger calls, and every call on the CPU (where
-        reading the counts costs nothing), sort the selections by expert and run each active expert's GEMMs on
-        its tokens (the weights as kept, no copy per step). Golden numerics keep the exact order's loop."""
-        if self.golden:
-            return super().routed_experts(moe, x, weights, idx)
-        if x.device.type != "cpu" and moe.stacked is not None and (decode or x.shape[0] <= 16):
-            out = self._routed_fixed(moe, x, weights, idx)                              # [N, k, D]
-        else:
-            counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # a host sync
-            out = self._routed_looped(moe, x, weights, idx, counts)                     # [N, k, D]
-        out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
-        y = torch.zeros_like(x, dtype=torch.float32)
-        for j in range(idx.shape[1]):                                # top-k: a constant of the model
-            y += out[:, j]
-        return y
-
-    def _routed_looped(self, moe, x, weights, idx, counts):
-        """The selections sorted by expert, one GEMM per projection of each active local expert on its own
-        tokens -> [N, k, D] bf16 (zero for other ranks' experts)."""
-        n, k = idx.shape
-        active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]   # increasing
-        out = x.new_zeros(n, k, x.shape[-1])
-        if not active:
-            return out
-        order = idx.flatten().argsort(stable=True)                  # selections grouped by expert, increasing
-        lo = sum(counts[:moe.start])
-        rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]          # this rank's selections
-        sizes = [counts[e] for e in active]
-        parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
-        outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]         # [n_e, D] each
-        out.view(n * k, -1)[rows] = torch.cat(outs)
-        return out
-
-    def _routed_fixed(self, moe, x, weights, idx):
-        """[N, k, D] bf16 (zero for other ranks' experts) from the stacked layout, every shape fixed by N, k
-        and the number of local experts E: with N k <= E, each selection's expert weights are gathered (bytes)
-        and dequantised, one batched GEMM per projection over the N k selections; otherwise every local expert
-        runs on every token (moe_decode), which reads no weight twice."""
-        n, k = idx.shape
-        own = (idx >= moe.start) & (idx < moe.start + moe.n_local)                   # [N, k]
-        local = torch.where(own, idx - moe.start, 0)                                 # [N, k]
-        first = next(e for e in moe.experts if e is not None)
-        kind, quantize, dtype = first.w1.kind, first.w1.scale is not None, compute_dtype(x.device)
-
-        def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
-            w, s = moe.stacked[name]
-            if rows is not None:
-                w = w.view(torch.uint8)[rows].view(w.dtype)
-                s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
-            return dequant_weight(w, s, kind, dtype)
-
-        if n * k <= moe.n_local:
-            sel = local.flatten()                                                    # [N k]
-            xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                          # [N k, 1, D]
-            gate = grouped_gemm(xs, weights_of("w1", sel), quantize)                 # [N k, 1, I]
-            up = grouped_gemm(xs, weights_of("w3", sel), quantize)
-            h = first.swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
-            out = grouped_gemm(h, weights_of("w2", sel), quantize).view(n, k, -1)    # [N, k, D]
-        else:
-            out = moe_decode(x, torch.where(own, local, -1), weights, weights_of("w1"), weights_of("w3"),
-                             weights_of("w2"), quantize, first.swiglu)
-        return torch.where(own.unsqueeze(-1), out, 0)

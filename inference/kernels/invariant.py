@@ -486,10 +486,10 @@ class Invariant(Numerics):
                                 lambda: [PreparedWeight.of(w) for w in weight.view(groups, -1, x.shape[-1])])
         return torch.stack([linear(x[:, :, g], None, prepared=p) for g, p in enumerate(per_group)], 2)
 
-    def sum(self, x, dim=-1, keepdim=False):
+    def sum(self, x, dim, keepdim=False):
         return tree_sum(x, dim, keepdim)
 
-    def mean(self, x, dim=-1, keepdim=False):
+    def mean(self, x, dim, keepdim=False):
         return tree_mean(x.float(), dim, keepdim).to(x.dtype)
 
     def rsqrt(self, x):
@@ -504,7 +504,7 @@ class Invariant(Numerics):
     def softplus(self, x):
         return softplus(x)
 
-    def softmax(self, x, dim=-1):
+    def softmax(self, x, dim):
         return softmax(x, dim)
 
     def pow(self, base, e):
@@ -547,21 +547,10 @@ class Invariant(Numerics):
     def _fp4_qdq_e4m3_(self, x, block):
         return reference.fp4_qdq_e4m3_(x, block)
 
-    def routed_experts(self, moe, x, weights, idx, decode=False):
-        """Each selection's output in its own slot [N, k, D] fp32 (zero where another rank's expert was
-        chosen): summed over the ranks by the caller (exact: one rank holds each slot, the others add zeros),
-        then over the slots by combine_experts. No sum depends on the world size or on which tokens share an
-        expert."""
-        n, k = idx.shape
-        out = torch.zeros(n, k, x.shape[-1], dtype=torch.float32, device=x.device)
-        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()
-        for e in range(moe.start, moe.start + moe.n_local):
-            if counts[e]:
-                tok, slot = torch.where(idx == e)
-                out[tok, slot] = moe.experts[e](x[tok], weights[tok, slot, None]).float()
-        return out
-
-    def combine_experts(self, y, idx):
-        """Slots [N, k, D] -> [N, D]: tree_sum over the slots in increasing expert index."""
-        y = y.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, y.shape[-1]))
-        return tree_sum(y, dim=1)
+    def combine_experts(self, out, idx, par):
+        """Each selection's output in its own slot [N, k, D]: summed over the ranks (exact: one rank holds each
+        slot, the others add zeros), then tree_sum over the slots in increasing expert index. No sum depends on
+        the world size or on which tokens share an expert."""
+        out = par.all_reduce(out.float())
+        out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        return tree_sum(out, dim=1)

@@ -78,8 +78,10 @@ class Numerics:
 
     name = "?"
     # Whether every row's result is independent of the others in its call (then a verification extend needs
-    # no per-position evaluation to equal decoding, see ModelContext.per_position).
+    # no per-position evaluation to equal decoding, see ForwardCall.per_position).
     rows_independent = False
+    # Whether batched GEMMs on dequantised stacked experts give this order's numbers (moe.StackedExperts).
+    gathers_experts = False
 
     def __init__(self, golden: bool = False, device="cpu"):
         self.golden = golden
@@ -139,10 +141,10 @@ class Numerics:
 
     # ---- elementwise functions and reductions ----
 
-    def sum(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    def sum(self, x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
         return x.sum(dim=dim, keepdim=keepdim)
 
-    def mean(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    def mean(self, x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
         return x.mean(dim=dim, keepdim=keepdim)
 
     def rsqrt(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +159,7 @@ class Numerics:
     def softplus(self, x: torch.Tensor) -> torch.Tensor:
         return F.softplus(x)
 
-    def softmax(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    def softmax(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.softmax(dim=dim)
 
     # ---- RoPE and sampling ----
@@ -232,23 +234,14 @@ class Numerics:
     def _fp4_qdq_e4m3_(self, x, block):
         raise NotImplementedError
 
-    # ---- the MoE's routed experts ----
+    # ---- the MoE's sum over its routed experts ----
 
-    def routed_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-                       decode: bool = False) -> torch.Tensor:
-        """This rank's share of the routed experts' output for x [N, D], routing weights and expert indices
-        [N, k]: summed over its experts in increasing expert index, [N, D] fp32 (zero rows where no local
-        expert was chosen). The caller all-reduces it and hands it to combine_experts. `decode`: one
-        position per sequence (a decode step)."""
-        y = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(idx.flatten(), minlength=moe.n_experts).tolist()   # the one host sync
-        for e in range(moe.start, moe.start + moe.n_local):   # increasing global index
-            if counts[e] == 0:
-                continue
-            tok, slot = torch.where(idx == e)
-            y[tok] += moe.experts[e](x[tok], weights[tok, slot, None])
-        return y
-
-    def combine_experts(self, y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The all-reduced routed_experts output -> [N, D] fp32 (already summed in this order)."""
-        return y
+    def combine_experts(self, out: torch.Tensor, idx: torch.Tensor, par) -> torch.Tensor:
+        """Each selection's expert output out [N, k, D] (zero where another rank's expert was chosen) and the
+        expert indices [N, k] -> [N, D] fp32 over every rank: per token, this rank's outputs added in fp32 in
+        increasing expert index (the reference's loop order), then the ranks' sums all-reduced."""
+        out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        y = torch.zeros(out.shape[0], out.shape[-1], dtype=torch.float32, device=out.device)
+        for j in range(idx.shape[1]):                                # top-k: a constant of the model
+            y += out[:, j]
+        return par.all_reduce(y)
