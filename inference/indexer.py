@@ -81,7 +81,7 @@ class Indexer(nn.Module):
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
             self.k_cache[:b, plan.rows] = k
             shared.index_k = self.k_cache
-        elif self.owns_keys and (opts.fix_index_k_publish or call.publish):
+        elif self.owns_keys and call.publish:
             shared.index_k = self.k_cache    # a prefill chunk publishes what the whole prefill would have
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], freqs[call.positions], nx)
@@ -90,7 +90,7 @@ class Indexer(nn.Module):
         keys = shared.index_k[:b, :t]                                # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
-        if (call.kind == Kind.VERIFY and self.owns_keys and not opts.fix_index_k_publish
+        if (call.kind == Kind.VERIFY and self.owns_keys and not call.publish
                 and ex.index_k_at_start is not None and self.ratio > 1):
             # Verification in reference numerics: a row whose group is still incomplete would, decoded alone,
             # not have published its keys and would score against the stale published cache

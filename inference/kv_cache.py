@@ -173,7 +173,7 @@ class PackedCache(nn.Module):
 def register_cache(owner: nn.Module, name: str, shape, fmt: str, ctx) -> None:
     """A plain buffer in the activation dtype (fp32 activations, which are never rounded to the formats, or
     packing turned off), else a PackedCache."""
-    if ctx.act_dtype == torch.float32 or not ctx.opts.packed_kv:
+    if ctx.keeps_full_precision_caches:
         owner.register_buffer(name, torch.zeros(*shape, dtype=ctx.act_dtype), persistent=False)
     else:
         setattr(owner, name, PackedCache(shape, fmt))

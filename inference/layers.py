@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels import Derived
+from .kernels.numerics import Held
 from .state import ModelContext
 
 BLOCK = 32
@@ -52,8 +53,12 @@ class Linear(nn.Module):
         self.nx = ctx.numerics
         self.derived = Derived(keep_derived)
 
+    def held(self) -> Held:
+        """The weight as stored now (the block streamer may have replaced it), for the numerics."""
+        return Held(self.weight, self.scale, self.kind, self.derived)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.nx.linear(self, x)
+        return self.nx.linear(self.held(), x)
 
 
 class ColumnParallelLinear(Linear):
@@ -77,7 +82,7 @@ class RowParallelLinear(Linear):
         self.par = ctx.par
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.nx.row_parallel_linear(self, x, self.par)     # the all-reduce over the ranks included
+        return self.nx.row_parallel_linear(self.held(), x, self.par)   # the ranks' all-reduce included
 
 
 class ParallelEmbedding(nn.Module):

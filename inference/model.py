@@ -140,10 +140,10 @@ class Transformer(nn.Module):
         decode step at the tensor position step.pos (start_pos then unused: no layer reads an int one)."""
         published = self.ctx.shared.index_k
         if step is not None:
-            return ForwardCall.graph_step(step, self.args, published)
+            return ForwardCall.graph_step(step, self.args, published, self.ctx.always_publish)
         prefill = start_pos == 0 if prefill is None else prefill
         return ForwardCall.make(start_pos, s, prefill, self.args, self.nx.rows_independent, self.ctx.device,
-                                published)
+                                published, self.ctx.always_publish)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,

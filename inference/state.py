@@ -26,7 +26,8 @@ class SharedAttentionState:
 class Exchange:
     """What a call's source layers hand to its later layers (docs/architecture.md §6.3), written and read
     within that call only: a fresh one per call."""
-    index_k_at_start: Optional[torch.Tensor] = None    # the published keys as the call began (§14.1)
+    # the published keys as the call began (docs/numerics.md §14.1)
+    index_k_at_start: Optional[torch.Tensor] = None
     compress_kv: Optional[torch.Tensor] = None
     topk_idxs: Optional[torch.Tensor] = None
     candidates: Optional[torch.Tensor] = None          # None: not computed in this call
@@ -107,7 +108,8 @@ class ForwardCall:
     window     [S, n] int32 sliding-window lists (-1 = none) in the layout of the kind: PREFILL over the
                call's rows, DECODE over the ring, CHUNK and VERIFY over [ring | the call's rows].
     ratios     {r: RatioPlan} for each compression ratio of the model.
-    publish    the index-key owners publish their keys as one call over the whole prompt would (a prefill).
+    publish    the index-key owners publish their keys as one call over the whole prompt would (a prefill;
+               every call with the stale-key fix, docs/numerics.md §14.1).
     one_by_one per-token computations whose rounding depends on the tensor's size (fp32 GEMMs, transcendental
                functions on a few elements) run one position at a time, as a decode step runs them, so that a
                verification equals decoding exactly (VERIFY, in an order whose rows depend on each other).
@@ -125,9 +127,10 @@ class ForwardCall:
 
     @staticmethod
     def make(start: int, s: int, prefill: bool, args: ModelArgs, rows_independent: bool, device,
-             index_k: Optional[torch.Tensor] = None) -> "ForwardCall":
+             index_k: Optional[torch.Tensor] = None, always_publish: bool = False) -> "ForwardCall":
         """Positions [start, start + s): a prefill (`prefill`: or a chunk of one), else S = 1 decode steps or
-        an S > 1 verification. `index_k`: the keys published when the call begins."""
+        an S > 1 verification. `index_k`: the keys published when the call begins; `always_publish`: the
+        stale-key fix (ModelContext.always_publish)."""
         w = args.window_size
         if start == 0:
             kind, window = Kind.PREFILL, window_prefill_idx(s, w, device)
@@ -142,12 +145,12 @@ class ForwardCall:
             first, end = start // r, (start + s) // r                  # groups completed in the call
             rows = torch.arange(first, end, device=device)
             ratios[r] = RatioPlan(end, (positions + 1) // r, rows, rows * r)
-        return ForwardCall(kind, start, s, positions, start % 2, window, ratios, prefill,
+        return ForwardCall(kind, start, s, positions, start % 2, window, ratios, prefill or always_publish,
                            kind == Kind.VERIFY and not rows_independent, Exchange(index_k))
 
     @staticmethod
-    def graph_step(step: DecodeStep, args: ModelArgs,
-                   index_k: Optional[torch.Tensor] = None) -> "ForwardCall":
+    def graph_step(step: DecodeStep, args: ModelArgs, index_k: Optional[torch.Tensor] = None,
+                   always_publish: bool = False) -> "ForwardCall":
         """A decode step at the tensor position step.pos, reading the bucket step.length (no int position)."""
         pos = step.pos.view(1)
         ratios = {}
@@ -157,7 +160,7 @@ class ForwardCall:
                 rows = rows[:0]
             ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r)
         window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(0)
-        return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, False, False,
+        return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, always_publish, False,
                            Exchange(index_k))
 
     @staticmethod
@@ -214,6 +217,17 @@ class ModelContext:
     def act_dtype(self) -> torch.dtype:
         """Activations and caches: bf16 as in the official code, fp32 in golden numerics."""
         return self.numerics.act_dtype
+
+    @property
+    def always_publish(self) -> bool:
+        """The index-key owners publish at every call (the stale-key fix, docs/numerics.md §14.1)."""
+        return self.opts.fix_index_k_publish
+
+    @property
+    def keeps_full_precision_caches(self) -> bool:
+        """Plain caches in the activation dtype: the numerics do not round cached values (golden), or packing
+        is off; otherwise FP8 / FP4 codes and scales (kv_cache.PackedCache)."""
+        return not self.numerics.rounds_caches or not self.opts.packed_kv
 
     @property
     def keep_expert_layouts(self) -> bool:

@@ -237,3 +237,95 @@ def test_the_mode_check_can_fail():
                  "string 'exact'"):
         assert any(what in f for f in found), (what, found)
     assert not modes_named('"""Docstrings may say invariant."""\n# and comments: golden\nx = 1\n')
+
+
+# ---- dependence, not spelling: what a model module reads and writes ----
+
+# RuntimeOptions fields that select a numerics variant: read once, where the numerics and the context are made
+# (inference/kernels, inference/state.py), never by a module that computes.
+NUMERICS_FIELDS = ("order", "golden", "kernel_backend", "kernel_build", "fix_index_k_publish")
+CHOOSERS = {os.path.join("inference", "state.py")}
+
+
+def _names(node) -> str:
+    """`self.ctx.opts` -> 'self.ctx.opts' (names and attributes only, else '')."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _names(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    return ""
+
+
+def variant_reads(source: str, path: str = "<string>") -> list:
+    """Where a source reads an option field that selects a numerics variant, or tells the variant apart by
+    the activation dtype."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Attribute) and node.attr in NUMERICS_FIELDS and \
+                _names(node.value).split(".")[-1] == "opts":
+            found.append(f"{path}:{node.lineno}: reads {_names(node)}")
+        elif isinstance(node, ast.Compare) and any(isinstance(n, ast.Attribute) and n.attr == "act_dtype"
+                                                   for n in [node.left, *node.comparators]):
+            found.append(f"{path}:{node.lineno}: compares act_dtype")
+    return found
+
+
+def context_writes(source: str, path: str = "<string>") -> list:
+    """Where a source sets an attribute on a ModelContext (`ctx.x = ...`, `self.ctx.x += ...`,
+    `setattr(ctx, ...)`) after its construction."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and _names(t.value).split(".")[-1] == "ctx":
+                found.append(f"{path}:{node.lineno}: sets {_names(t)}")
+        if isinstance(node, ast.Call) and _names(node.func) in ("setattr", "object.__setattr__") and \
+                node.args and _names(node.args[0]).split(".")[-1] == "ctx":
+            found.append(f"{path}:{node.lineno}: setattr on {_names(node.args[0])}")
+    return found
+
+
+def test_model_modules_read_no_numerics_option():
+    found = []
+    for rel in MODEL_FILES:
+        if rel not in CHOOSERS:
+            found += variant_reads(open(os.path.join(ROOT, rel), encoding="utf-8").read(), rel)
+    assert not found, "model modules that choose a numerics variant themselves:\n" + "\n".join(found)
+
+
+def test_no_module_sets_an_attribute_on_the_context():
+    found = []
+    for name, path in project_modules().items():
+        if name.startswith("inference"):
+            found += context_writes(open(path, encoding="utf-8").read(), os.path.relpath(path, ROOT))
+    assert not found, "attributes set on a ModelContext:\n" + "\n".join(found)
+
+
+def test_the_dependence_checks_can_fail():
+    made_up = ("def forward(self, x, ctx):\n"
+               "    if self.ctx.opts.fix_index_k_publish or ctx.opts.golden:\n"
+               "        self.ctx.prefilling = True\n"
+               "    ctx.step += 1\n"
+               "    setattr(self.ctx, 'decode_shapes', True)\n"
+               "    return x if ctx.act_dtype == torch.float32 else y\n")
+    reads, writes = variant_reads(made_up), context_writes(made_up)
+    for what in ("reads self.ctx.opts.fix_index_k_publish", "reads ctx.opts.golden", "compares act_dtype"):
+        assert any(what in f for f in reads), (what, reads)
+    for what in ("sets self.ctx.prefilling", "sets ctx.step", "setattr on self.ctx"):
+        assert any(what in f for f in writes), (what, writes)
+    assert not variant_reads("y = self.ctx.opts.deterministic_topk\n")
+    assert not context_writes("self.x = ctx\n")
+
+
+def test_the_context_is_frozen_after_construction():
+    """The trap: a layer that tried to keep per-call state on the shared context would fail here."""
+    import dataclasses
+    from inference.config import ModelArgs
+    from inference.state import ModelContext
+    ctx = ModelContext(ModelArgs.from_file(os.path.join(ROOT, "tests", "fixtures", "reference-tiny",
+                                                        "config.json"), max_seq_len=8))
+    for name, value in (("step", None), ("prefilling", True), ("numerics", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(ctx, name, value)

@@ -151,7 +151,7 @@ def test_stated_workspace_bounds_the_measured_peak(batch, seqlen):
     model = fixture_model(max_batch_size=2)
     for m in model.modules():                       # the CPU path keeps these: held, not workspace
         if isinstance(m, Linear) and m.scale is not None:
-            model.nx.dequantized(m)
+            model.nx.dequantized(m.held())
     ids = torch.randint(3, model.args.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(0))
     measured = peak_allocated(lambda: model(ids, 0))
     shapes = plan_memory(model.args, 1).shapes

@@ -224,16 +224,16 @@ class Fast(Exact):
         """Batched GEMMs on dequantised stacked experts give this order's numbers (not in golden numerics)."""
         return not self.golden
 
-    def dequantized(self, layer, dtype=torch.float32):
+    def dequantized(self, held, dtype=torch.float32):
         """fp32 as the exact order keeps it; bf16 (the GPU's compute dtype) kept in the layer's Derived
         unless it keeps nothing (routed experts off the CPU: a step dequantises only those it selects)."""
         if dtype == torch.float32:
-            return super().dequantized(layer, dtype)
-        return layer.derived.get(layer.weight, f"dequantized:{dtype}",
-                                 lambda: dequant_weight(layer.weight, layer.scale, layer.kind, dtype))
+            return super().dequantized(held, dtype)
+        return held.derived.get(held.weight, f"dequantized:{dtype}",
+                                 lambda: dequant_weight(held.weight, held.scale, held.kind, dtype))
 
-    def quant_linear(self, layer, x):
-        return gemm(x, self.dequantized(layer, compute_dtype(x.device)))
+    def quant_linear(self, held, x):
+        return gemm(x, self.dequantized(held, compute_dtype(x.device)))
 
     def sparse_attn(self, q, kv, sink, idx, scale):
         return sparse_attn(q, kv, sink, idx, scale)

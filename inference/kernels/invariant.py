@@ -463,19 +463,19 @@ class Invariant(Numerics):
     name = "invariant"
     rows_independent = True
 
-    def _prepared(self, layer) -> PreparedWeight:
-        return layer.derived.get(layer.weight, "invariant", lambda: PreparedWeight.of(exact_weight(layer)))
+    def _prepared(self, held) -> PreparedWeight:
+        return held.derived.get(held.weight, "invariant", lambda: PreparedWeight.of(exact_weight(held)))
 
-    def linear(self, layer, x):
-        if self.golden or layer.scale is None:
-            return linear(x.float() if self.golden else x, None, prepared=self._prepared(layer))
-        return quant_gemm(x, self._prepared(layer), reference.act_quant)
+    def linear(self, held, x):
+        if self.golden or held.scale is None:
+            return linear(x.float() if self.golden else x, None, prepared=self._prepared(held))
+        return quant_gemm(x, self._prepared(held), reference.act_quant)
 
-    def row_parallel_linear(self, layer, x, par):
+    def row_parallel_linear(self, held, x, par):
         """FP8/FP4 weights: the sum over K continues across the ranks, in its tree (no all-reduce after)."""
-        if self.golden or layer.scale is None:
-            return super().row_parallel_linear(layer, x, par)
-        return quant_gemm(x, self._prepared(layer), reference.act_quant, par=par)
+        if self.golden or held.scale is None:
+            return super().row_parallel_linear(held, x, par)
+        return quant_gemm(x, self._prepared(held), reference.act_quant, par=par)
 
     def dense(self, x, w, derived, key=None):
         prepared = derived.get(w if key is None else key, "invariant", lambda: PreparedWeight.of(w))
@@ -548,9 +548,9 @@ class Invariant(Numerics):
         return reference.fp4_qdq_e4m3_(x, block)
 
     def combine_experts(self, out, idx, par):
-        """Each selection's output in its own slot [N, k, D]: summed over the ranks (exact: one rank holds each
-        slot, the others add zeros), then tree_sum over the slots in increasing expert index. No sum depends on
-        the world size or on which tokens share an expert."""
+        """Each selection's output in its own slot [N, k, D]: summed over the ranks (exact: one rank holds
+        each slot, the others add zeros), then tree_sum over the slots in increasing expert index. No sum
+        depends on the world size or on which tokens share an expert."""
         out = par.all_reduce(out.float())
         out = out.gather(1, idx.argsort(dim=1).unsqueeze(-1).expand(-1, -1, out.shape[-1]))
         return tree_sum(out, dim=1)

@@ -19,7 +19,7 @@ rank-split operations. Subclasses override only what their order does differentl
 What is derived from a weight (a dequantised copy, the invariant layout, a stacked GPU layout) lives with the
 module that owns the weight, in its `Derived`, and is dropped by one call on the model (drop_derived).
 """
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +64,22 @@ def drop_derived(module: torch.nn.Module) -> None:
             d.clear()
 
 
-def exact_weight(layer) -> torch.Tensor:
-    """The exact fp32 value of a Linear-like layer's weight (FP8 / FP4 codes times their scales)."""
-    if layer.scale is None:
-        return layer.weight.float()
-    fn = dequant_fp8_weight if layer.kind == "fp8" else dequant_fp4_weight
-    return fn(layer.weight, layer.scale, BLOCK)
+class Held(NamedTuple):
+    """A Linear's weight as stored, handed to the numerics per call (never the module itself): the weight,
+    its block scales (None: a bf16 / fp32 weight), its kind (fp8, fp4, bf16, fp32) and the Derived where an
+    order keeps what it lays out from it."""
+    weight: torch.Tensor
+    scale: Optional[torch.Tensor]
+    kind: str
+    derived: Derived
+
+
+def exact_weight(held: Held) -> torch.Tensor:
+    """The exact fp32 value of a held weight (FP8 / FP4 codes times their scales)."""
+    if held.scale is None:
+        return held.weight.float()
+    fn = dequant_fp8_weight if held.kind == "fp8" else dequant_fp4_weight
+    return fn(held.weight, held.scale, BLOCK)
 
 
 class Numerics:
@@ -91,38 +101,43 @@ class Numerics:
         return f"{type(self).__name__}(golden={self.golden}, device={self.device})"
 
     @property
+    def rounds_caches(self) -> bool:
+        """Whether values are rounded to the caches' FP8 / FP4 formats before they are cached (not golden)."""
+        return not self.golden
+
+    @property
     def act_dtype(self) -> torch.dtype:
         """Activations and caches: bf16 as in DeepSeek's code, fp32 in golden numerics."""
         return torch.float32 if self.golden else torch.bfloat16
 
     # ---- weights ----
 
-    def dequantized(self, layer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantized(self, held: Held, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact value of an FP8/FP4 Linear weight in `dtype`, kept in the layer's Derived on the CPU (off
         the CPU the fp32 value is recomputed per call: memory is the constraint there)."""
-        return layer.derived.get(layer.weight, f"dequantized:{dtype}", lambda: exact_weight(layer).to(dtype),
-                                 keep=layer.weight.device.type == "cpu")
+        return held.derived.get(held.weight, f"dequantized:{dtype}", lambda: exact_weight(held).to(dtype),
+                                 keep=held.weight.device.type == "cpu")
 
     # ---- GEMMs ----
 
-    def linear(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, held: Held, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T for a Linear at these rounding points: FP8/FP4 weights quantise x per 32 and give bf16;
         bf16 / fp32 weights a plain GEMM in their dtype; golden: fp32, the weight's exact value."""
         if self.golden:
-            w = layer.weight if layer.scale is None else self.dequantized(layer)
-            return self.dense(x.float(), w.float(), layer.derived, key=layer.weight)
-        if layer.scale is None:
-            return self.dense(x, layer.weight, layer.derived)
-        return self.quant_linear(layer, x)
+            w = held.weight if held.scale is None else self.dequantized(held)
+            return self.dense(x.float(), w.float(), held.derived, key=held.weight)
+        if held.scale is None:
+            return self.dense(x, held.weight, held.derived)
+        return self.quant_linear(held, x)
 
-    def quant_linear(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def quant_linear(self, held: Held, x: torch.Tensor) -> torch.Tensor:
         """The FP8/FP4 GEMM: act_quant(x) per 32, the weight's exact products, bf16 out."""
         raise NotImplementedError
 
-    def row_parallel_linear(self, layer, x: torch.Tensor, par) -> torch.Tensor:
+    def row_parallel_linear(self, held: Held, x: torch.Tensor, par) -> torch.Tensor:
         """A Linear whose input features are split over the ranks of `par`: the partial products of every
         rank summed (bf16 partials widened to fp32 and all-reduced)."""
-        y = self.linear(layer, x)
+        y = self.linear(held, x)
         if par.world_size > 1:
             y = par.all_reduce(y.float()).to(x.dtype)
         return y

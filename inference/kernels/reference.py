@@ -206,8 +206,8 @@ class Exact(Numerics):
 
     name = "exact"
 
-    def quant_linear(self, layer, x):
-        return block_scaled_gemm(x, self.dequantized(layer))
+    def quant_linear(self, held, x):
+        return block_scaled_gemm(x, self.dequantized(held))
 
     def sparse_attn(self, q, kv, sink, idx, scale):
         return sparse_attn(q, kv, sink, idx, scale)

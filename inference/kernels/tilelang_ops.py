@@ -846,10 +846,10 @@ class TileLang(Fast):
     def __repr__(self) -> str:
         return f"TileLang(golden={self.golden}, device={self.device}, settings={self.settings!r})"
 
-    def quant_linear(self, layer, x):
+    def quant_linear(self, held, x):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()                # [M, K]
-        gemm = fp8_gemm if layer.kind == "fp8" else fp4_gemm
-        y = gemm(x2, layer.weight, layer.scale, settings=self.settings)
+        gemm = fp8_gemm if held.kind == "fp8" else fp4_gemm
+        y = gemm(x2, held.weight, held.scale, settings=self.settings)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def sparse_attn(self, q, kv, sink, idx, scale):
