@@ -99,9 +99,8 @@ class Indexer(nn.Module):
             incomplete = (call.positions + 1) % self.ratio != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
         lens = plan.visible                                          # [S] groups visible to each query
-        if call.kind != Kind.DECODE or call.start is None:           # (a decode step at an int position
-            # sees all t rows; a graph's step masks its bucket's rows past its position)
-            score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
+        # (all t rows at a decode step's int position; a graph's step masks its bucket's rows past its own)
+        score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
         if self.is_candidate_source:
             a = self.ctx.args
             ex.candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks,
