@@ -197,6 +197,7 @@ class ModelArgs:
 
 
 ENGRAM_PLACEMENTS = ("device", "host", "disk")
+EXPERT_PLACEMENTS = ("device", "host")
 KERNEL_BUILDS = ("default", "plain")       # inference/kernels/tilelang_ops.py SETTINGS
 ORDERS = ("auto", "exact", "fast", "invariant")
 # --numerics: words over the three axes of RuntimeOptions (rounding points: reference or golden; the
@@ -226,6 +227,10 @@ class RuntimeOptions:
     # Keep the KV caches (window, compressed, indexer keys) as FP8 / FP4 codes plus scales instead of bf16:
     # the same values come back bit for bit. Golden numerics, which do not round, always use full precision.
     packed_kv: bool = True
+    # Where the routed experts live: device (with the rest of the model) or host (CPU memory at their stored
+    # precision, computed there by the host-expert kernel; a GPU holds everything else). docs/numerics.md
+    # says how far its summation order lies from the reference's.
+    experts_on: str = "device"
 
     @classmethod
     def from_profile(cls, numerics: str = "reference", **kw) -> "RuntimeOptions":
@@ -259,6 +264,9 @@ class RuntimeOptions:
         if opts.engram_on not in ENGRAM_PLACEMENTS:
             raise ConfigError(f"unknown Engram placement {opts.engram_on!r} (expected one of "
                               f"{', '.join(ENGRAM_PLACEMENTS)})")
+        if opts.experts_on not in EXPERT_PLACEMENTS:
+            raise ConfigError(f"unknown expert placement {opts.experts_on!r} (expected one of "
+                              f"{', '.join(EXPERT_PLACEMENTS)})")
         opts.fix_index_k_publish = opts.fix_index_k_publish or "fixed" in words
         opts.golden = opts.golden or "golden" in words
         return opts
