@@ -107,6 +107,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="break exact top-k ties by lowest index (reproducible across platforms)")
     add("--engram-on", choices=["device", "host", "disk"], default="device", help="Engram tables in GPU "
         "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
+    add("--experts-on", choices=["device", "host"], default="device", help="host: the routed experts stay in "
+        "host memory at stored precision, computed there by the host-expert kernel (one GPU holds the rest)")
     add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
     add("--cuda-graph", action="store_true", help="decode steps as CUDA graphs, one per batch size, length "
@@ -175,6 +177,10 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
          f"--max-batch-size must be >= 1, got {o.max_batch_size}"),
         (o.max_seq_len is not None and o.max_seq_len < 1, f"--max-seq-len must be >= 1, got {o.max_seq_len}"),
         (o.offload == "disk" and o.device != "cpu", f"--offload disk runs on the CPU (not {o.device})"),
+        (o.offload == "disk" and o.experts_on == "host", "--offload disk streams the experts from disk: "
+         "not with --experts-on host"),
+        (o.cuda_graph and o.experts_on == "host", "--cuda-graph replays decode steps on the GPU alone: not "
+         "with --experts-on host (the host computes the experts)"),
         (o.cuda_graph and (o.score or o.speculative != "none"),
          "--cuda-graph is for plain generation (--input-file or --interactive, no --speculative)"),
         (o.cuda_graph and o.device[:4] != "cuda", f"--cuda-graph needs a CUDA device, not {o.device}"),
@@ -189,7 +195,8 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        kernel_build=o.kernel_build,
-                                       engram_on="disk" if o.offload == "disk" else o.engram_on)
+                                       engram_on="disk" if o.offload == "disk" else o.engram_on,
+                                       experts_on=o.experts_on)
 
 
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:

@@ -269,6 +269,10 @@ class RuntimeOptions:
                               f"{', '.join(EXPERT_PLACEMENTS)})")
         opts.fix_index_k_publish = opts.fix_index_k_publish or "fixed" in words
         opts.golden = opts.golden or "golden" in words
+        if opts.experts_on == "host" and (opts.golden or opts.order == "invariant"):
+            raise ConfigError(f"--experts-on host sums the routed experts in the host kernel's order, with "
+                              f"the reference's rounding points: not with --numerics "
+                              f"{'golden' if opts.golden else 'invariant'}")
         return opts
 
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 
 from .indexer import topk_indices
-from .kernels import Derived
+from .kernels import Derived, host_experts
 from .kernels.fast import fixed_shape_experts
+from .kernels.numerics import Held
 from .layers import Linear, linear_tensors
 from .state import ForwardCall, ModelContext
 
@@ -61,7 +62,13 @@ class Expert(nn.Module):
         self.limit = ctx.args.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.w2(self.swiglu(self.w1(x), self.w3(x), weights).to(x.dtype))
+        return self.apply_held(x, weights, self.w1.held(), self.w3.held(), self.w2.held())
+
+    def apply_held(self, x: torch.Tensor, weights: Optional[torch.Tensor], w1: Held, w3: Held,
+                   w2: Held) -> torch.Tensor:
+        """The expert's formula on the given weights (its own, or a copy on the device of host experts)."""
+        nx = self.nx
+        return nx.linear(w2, self.swiglu(nx.linear(w1, x), nx.linear(w3, x), weights).to(x.dtype))
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """bf16 GEMM outputs -> fp32 clamp(SiLU(gate)) * clamp(up), times the routing weight if given."""
@@ -75,10 +82,10 @@ class Expert(nn.Module):
         return h
 
 
-def stacked_experts(dim: int, inter_dim: int, kind: str, n: int):
+def stacked_experts(dim: int, inter_dim: int, kind: str, n: int, device=None):
     """{projection: (weights [n, ...], scales [n, ...] or None)} for n SwiGLU experts of `kind`."""
     sizes = {"w1": (dim, inter_dim), "w2": (inter_dim, dim), "w3": (dim, inter_dim)}
-    return {p: tuple(None if t is None else torch.empty(n, *t[0], dtype=t[1])
+    return {p: tuple(None if t is None else torch.empty(n, *t[0], dtype=t[1], device=device)
                      for t in linear_tensors(*io, kind)) for p, io in sizes.items()}
 
 
@@ -87,20 +94,25 @@ def active_counts(idx: torch.Tensor, n_experts: int):
     return torch.bincount(idx.flatten(), minlength=n_experts).tolist()
 
 
-def looped_experts(moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Each active local expert on its own tokens (the weights as held: no copy per call): the selections
-    sorted by expert (increasing index; each expert's rows in token order), one GEMM per projection.
-    x [N, D], weights and idx [N, k] -> [N, k, D] in x's dtype, zero for other ranks' experts."""
-    n, k = idx.shape
+def local_selections(moe: "MoE", idx: torch.Tensor):
+    """This rank's selections grouped by expert (increasing index; each expert's rows in token order):
+    (active experts, increasing; rows: indices into idx.flatten() [M]; rows per active expert). One sync."""
     counts = active_counts(idx, moe.n_experts)
-    out = x.new_zeros(n, k, x.shape[-1])
-    active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]      # increasing
-    if not active:
-        return out
+    active = [e for e in range(moe.start, moe.start + moe.n_local) if counts[e]]
     order = idx.flatten().argsort(stable=True)                  # selections grouped by expert, increasing
     lo = sum(counts[:moe.start])
-    rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]              # this rank's selections
-    sizes = [counts[e] for e in active]
+    rows = order[lo:lo + sum(counts[moe.start:moe.start + moe.n_local])]              # [M]
+    return active, rows, [counts[e] for e in active]
+
+
+def looped_experts(moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Each active local expert on its own tokens (the weights as held: no copy per call), one GEMM per
+    projection. x [N, D], weights and idx [N, k] -> [N, k, D] in x's dtype, zero for other ranks' experts."""
+    n, k = idx.shape
+    out = x.new_zeros(n, k, x.shape[-1])
+    active, rows, sizes = local_selections(moe, idx)
+    if not active:
+        return out
     parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
     outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]             # [n_e, D] each
     out.view(n * k, -1)[rows] = torch.cat(outs)
@@ -136,6 +148,72 @@ class StreamedExperts:
         return looped_experts(moe, x, weights, idx)
 
 
+class HostExperts:
+    """How the routed experts are applied when they stay in host memory at their stored precision
+    (--experts-on host): the host-expert kernel computes each active expert on its own tokens from the stored
+    bytes (kernels/host_experts.py: the reference's products, summed in its own order), the SwiGLU and the
+    routing weight between its two calls. On a GPU the inputs cross to the host and the outputs come back:
+    one round trip per MoE layer and call. A GPU call with many tokens copies the active experts' bytes to
+    the device instead and runs them there (with the device's numerics, as if they lived there), when
+    moving the bytes is estimated to take less time than the kernel (prefers_copy)."""
+
+    def apply(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+              decode: bool) -> torch.Tensor:
+        """-> [N, k, D], each selection's expert output (zero for other ranks' experts), on x's device."""
+        n, k = idx.shape
+        active, rows, sizes = local_selections(moe, idx.cpu())         # the host reads the routing: a sync
+        if x.device.type != "cpu" and prefers_copy(moe, active, len(rows)):
+            return self.copied(moe, x, weights, idx, active, rows.to(x.device), sizes)
+        out = torch.zeros(n, k, x.shape[-1], dtype=x.dtype)           # [N, k, D] on the host
+        if active:
+            first = next(e for e in moe.experts if e is not None)
+            xs = x.cpu()[rows // k]                                    # [M, D], grouped by expert
+            ws = weights.cpu().flatten()[rows]                         # [M] routing weights
+            projections = [moe.stacked[p] for p in ("w1", "w3", "w2")]
+            local = [e - moe.start for e in active]
+            out.view(n * k, -1)[rows] = host_experts.expert_swiglu(xs, sizes, local, ws, *projections,
+                                                                   first.w1.kind, first.swiglu)
+        return out.to(x.device)
+
+    @staticmethod
+    def copied(moe: "MoE", x, weights, idx, active, rows, sizes) -> torch.Tensor:
+        """Each active expert's bytes copied to x's device for this call only (nothing kept), applied there
+        on its tokens with the device's numerics: looped_experts' numbers."""
+        n, k = idx.shape
+        out = x.new_zeros(n, k, x.shape[-1])
+
+        def held(e: int, p: str) -> Held:             # local expert e's projection p, copied over
+            w, s = (None if t is None else t[e - moe.start].to(x.device) for t in moe.stacked[p])
+            return Held(w, s, moe.experts[e].w1.kind, Derived(keep=False))
+
+        parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
+        outs = [moe.experts[e].apply_held(xe, we.unsqueeze(-1), held(e, "w1"), held(e, "w3"), held(e, "w2"))
+                for e, xe, we in parts]                                # [n_e, D] each
+        if outs:
+            out.view(n * k, -1)[rows] = torch.cat(outs)
+        return out
+
+
+# The estimate behind HostExperts' choice for a GPU call: the kernel's rate per host thread (a prefill of
+# 512 tokens ran 82-106 GMAC/s on 2 threads of an AVX-512 CPU, docs/benchmarks.md §6) against host-to-GPU
+# copies from pageable memory (PCIe 4.0 x16: assumed, not yet measured on a GPU host).
+HOST_MACS_PER_THREAD = 40e9
+LINK_BYTES_PER_S = 16e9
+
+
+def prefers_copy(moe: "MoE", active, selections: int) -> bool:
+    """Whether copying the active experts' bytes to the GPU beats computing them on the host: bytes / link
+    rate against multiply-adds / the host's rate. Released geometry (18.8 MB and 3 x 5120 x 2304 MACs per
+    expert and selection), 2 host threads: the copy wins from about 170 tokens (top-6 of 384)."""
+    if not active:
+        return False
+    one = moe.experts[active[0]]
+    nbytes = sum(w[0].nbytes + (0 if sc is None else sc[0].nbytes) for w, sc in moe.stacked.values())
+    macs = sum(lin.in_features * lin.out_features for lin in (one.w1, one.w2, one.w3))
+    host_s = selections * macs / (HOST_MACS_PER_THREAD * torch.get_num_threads())
+    return len(active) * nbytes / LINK_BYTES_PER_S < host_s
+
+
 class MoE(nn.Module):
     def __init__(self, ctx: ModelContext, n_experts: int, topk: int, with_bias_vl: bool):
         super().__init__()
@@ -146,21 +224,28 @@ class MoE(nn.Module):
         self.n_local = n_experts // w
         self.start = ctx.par.rank * self.n_local
         expert_kind = a.expert_dtype if a.expert_dtype == "fp4" else a.dtype
+        if ctx.opts.experts_on == "host" and expert_kind not in host_experts.FORMATS:
+            raise ValueError(f"--experts-on host computes FP4 / FP8 experts; these are {expert_kind}")
         self.gate = Gate(a.dim, n_experts, topk, ctx, with_bias_vl)
-        # This rank's experts live in one layout per projection, [n_local, ...] weights and scales; each
-        # expert's Linears hold views of its row (the checkpoint names stay per expert). A decode step on a
-        # GPU indexes the experts it selects there, with shapes fixed by the batch: no host sync. (Weights
-        # streamed from disk replace each expert's tensors: they keep their own.)
-        self.stacked = (None if ctx.streamed
-                        else stacked_experts(a.dim, a.moe_inter_dim, expert_kind, self.n_local))
+        # This rank's experts live in one layout per projection, [n_local, ...] weights and scales, on the
+        # model's device or in host memory (--experts-on host); each expert's Linears hold views of its row
+        # (the checkpoint names stay per expert). A decode step on a GPU indexes the experts it selects
+        # there, with shapes fixed by the batch: no host sync. (Weights streamed from disk replace each
+        # expert's tensors: they keep their own.)
+        self.stacked = (None if ctx.streamed else stacked_experts(a.dim, a.moe_inter_dim, expert_kind,
+                                                                  self.n_local, ctx.experts_device))
         self.experts = nn.ModuleList([
             Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts,
                    self.row(i - self.start))
             if self.start <= i < self.start + self.n_local else None for i in range(n_experts)])
         self.shared_experts = Expert(a.dim, a.moe_inter_dim, a.dtype, ctx)
         on_gpu = torch.device(ctx.device).type not in ("cpu", "meta")
-        self.routed = (StreamedExperts() if ctx.streamed
-                       else StackedExperts(fixed_shapes=on_gpu and self.nx.gathers_experts))
+        if ctx.streamed:
+            self.routed = StreamedExperts()
+        elif ctx.opts.experts_on == "host":
+            self.routed = HostExperts()
+        else:
+            self.routed = StackedExperts(fixed_shapes=on_gpu and self.nx.gathers_experts)
 
     def row(self, e: int):
         """Local expert e's views of the stacked layout, {projection: (weight, scale)} (None: no layout)."""

@@ -230,10 +230,20 @@ class ModelContext:
         return not self.numerics.rounds_caches or not self.opts.packed_kv
 
     @property
+    def experts_device(self) -> str:
+        """Where the routed experts' weights live: the model's device, or host memory with --experts-on host
+        (a meta build stays on meta)."""
+        if self.opts.experts_on == "host" and torch.device(self.device).type != "meta":
+            return "cpu"
+        return self.device
+
+    @property
     def keep_expert_layouts(self) -> bool:
         """Whether a routed expert keeps what is derived from its weights between calls: on the CPU, unless
-        streamed from disk (off the CPU a step derives only what it selects, see the numerics)."""
-        return torch.device(self.device).type == "cpu" and not self.streamed
+        streamed from disk or held at stored precision for the host-expert kernel (off the CPU a step
+        derives only what it selects, see the numerics)."""
+        return (torch.device(self.device).type == "cpu" and not self.streamed
+                and self.opts.experts_on != "host")
 
     def freqs_for(self, layer_id: int) -> torch.Tensor:
         ratio = self.args.compress_ratios[layer_id]

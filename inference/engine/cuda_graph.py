@@ -49,6 +49,8 @@ class GraphedDecode:
         if device.type != "cuda":
             raise InputError(f"--cuda-graph captures decode steps on a CUDA device (the model is on "
                              f"{device})")
+        if model.ctx.opts.experts_on != "device":
+            raise InputError("--cuda-graph replays decode steps on the GPU alone: not with --experts-on host")
         if model.ctx.opts.engram_on != "device" and model.args.engram_layer_ids:
             raise InputError("--cuda-graph needs the Engram tables on the device (--engram-on device): a "
                              "step looks rows up on the host otherwise")

@@ -1,0 +1,162 @@
+"""--experts-on host (inference/moe.py HostExperts): the routed experts kept in host memory at their stored
+precision and computed there by the host-expert kernel. Against the reference's logits on the fixture
+(inside the fast order's floor), against the expert loop they replace (the torch path: the same matmuls, bit
+for bit; the native kernels: the same products, within the summation bound), with no dequantised copy kept,
+at W = 1 and 2 through the CLI, and the placements that exclude it refused in one line."""
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import FIXTURE, fixture_file, fixture_model, fixture_tensors
+from test_generate import assert_close_to_reference, run_cli
+
+from inference.config import ConfigError, ModelArgs, RuntimeOptions
+from inference.kernels import host_experts as he
+from inference.moe import MoE, HostExperts, looped_experts, prefers_copy
+
+U = 2.0 ** -24
+NATIVE = ["avx512", "avx2", "scalar"][["avx512", "avx2", "scalar"].index(he.auto_variant()):]
+
+
+def first_moe(model) -> MoE:
+    return next(m for m in model.modules() if isinstance(m, MoE))
+
+
+@pytest.mark.parametrize("numerics", ["fast"])
+def test_fixture_logits_inside_the_fast_floor(numerics):
+    """Teacher-forced on the fixture with the experts on the host: max |d| <= 0.25, mean <= 0.03 against the
+    reference's logits, its argmax wherever the reference's top-1/top-2 margin exceeds 0.5; the DSpark head's
+    too. (The default rounding points: the CLI's scoring below.)"""
+    from test_model_fixture import run_teacher_forced
+    model = fixture_model(RuntimeOptions.from_profile(numerics, experts_on="host"))
+    assert isinstance(first_moe(model).routed, HostExperts)
+    ref = fixture_tensors("reference_logits")
+    logits, drafts = run_teacher_forced(model, ref)
+    want = ref["step_logits"]
+    d = (logits - want).abs()
+    print(f"{numerics}, experts on the host ({he.kernel_variant()}): max |d| {d.max():.4f} "
+          f"mean {d.mean():.5f}")
+    assert d.max() <= 0.25 and d.mean() <= 0.03
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 0.5
+    assert clear.any() and torch.equal(logits.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert (torch.stack([x[1] for x in drafts]) - ref["dspark_logits"]).abs().max() <= 0.25
+
+
+@pytest.fixture(scope="module")
+def host_model():
+    return fixture_model(RuntimeOptions.from_profile("fast", experts_on="host"))
+
+
+def routed_inputs(moe: MoE, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, moe.gate.weight.shape[1], generator=g) * 4).bfloat16()
+    weights, idx = moe.gate(x)
+    return x, weights, idx
+
+
+def test_the_torch_path_is_the_expert_loop_bit_for_bit(host_model, monkeypatch):
+    """The host kernel's torch path multiplies the same fp32 operands as the fast order's expert loop
+    (act_quant of the rows, each expert dequantised exactly): the same bits, at 1 token and at 300."""
+    monkeypatch.setenv(he.ENV, "torch")
+    moe = first_moe(host_model)
+    for n in (1, 300):
+        x, weights, idx = routed_inputs(moe, n, n)
+        got = HostExperts().apply(moe, x, weights, idx, n == 1)
+        assert torch.equal(got, looped_experts(moe, x, weights, idx))
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+def test_the_native_kernel_against_the_expert_loop(host_model, monkeypatch, variant):
+    """The native kernels sum the same products in another order: each selection's output within the bf16
+    rounding of a bound on the second projection's sums (its inputs are the same bf16 values unless the first
+    projections' sums rounded apart, which the bound on those allows: checked on the counts)."""
+    monkeypatch.setenv(he.ENV, variant)
+    moe = first_moe(host_model)
+    x, weights, idx = routed_inputs(moe, 200, 7)
+    got, want = HostExperts().apply(moe, x, weights, idx, False), looped_experts(moe, x, weights, idx)
+    d = (got.float() - want.float()).abs()
+    scale = want.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)       # per selection
+    print(f"{variant}: {int((d > 0).sum())} of {d.numel()} outputs apart, "
+          f"max relative {(d / scale).max():.2e}")
+    assert (d <= scale * 2.0 ** -6).all()                   # a few bf16 ulps of the row's largest output
+
+
+def test_no_dequantised_copy_is_kept(host_model):
+    """The routed experts stay in their stored dtypes on the CPU and keep nothing derived after a forward;
+    only the other layers keep their layouts."""
+    host_model.reset()
+    host_model(torch.tensor([[0, 5, 9, 14]]), 0)
+    for moe in (m for m in host_model.modules() if isinstance(m, MoE)):
+        for w, s in moe.stacked.values():
+            assert w.device.type == "cpu" and w.element_size() == 1 and s.dtype == torch.float8_e8m0fnu
+        experts = [e for e in moe.experts if e is not None]
+        assert all(len(lin.derived) == 0 for e in experts for lin in (e.w1, e.w2, e.w3))
+    assert sum(len(m.derived) for m in host_model.modules() if hasattr(m, "derived")) > 0
+
+
+def test_the_copy_estimate_of_a_gpu_call():
+    """prefers_copy on the released geometry (meta weights): 18.8 MB and 3 x 5120 x 2304 multiply-adds per
+    expert; with every expert active the copy wins once the selections' work on the host outweighs the bytes
+    over the link: at 2 threads, about 170 tokens of top-6."""
+    from inference.moe import HOST_MACS_PER_THREAD, LINK_BYTES_PER_S
+    from inference.state import ModelContext
+    args = ModelArgs.from_file(os.path.join(os.path.dirname(FIXTURE), "..", "..", "config.json"),
+                               n_routed_experts=384)
+    ctx = ModelContext(args, opts=RuntimeOptions(experts_on="host"), device="meta")
+    with torch.device("meta"):
+        moe = MoE(ctx, 384, 6, False)
+    per_expert = 3 * (5120 * 2304 // 2 + 5120 * 2304 // 32)
+    assert sum(w[0].nbytes + s[0].nbytes for w, s in moe.stacked.values()) == per_expert
+    threads = torch.get_num_threads()
+    tokens = per_expert * 384 / LINK_BYTES_PER_S * HOST_MACS_PER_THREAD * threads / (3 * 5120 * 2304) / 6
+    everything = list(range(384))
+    assert not prefers_copy(moe, everything, int(tokens * 6 * 0.9))
+    assert prefers_copy(moe, everything, int(tokens * 6 * 1.1))
+    assert not prefers_copy(moe, [], 10 ** 6)
+    print(f"copy from {tokens:.0f} tokens at {threads} threads")
+
+
+def test_placements_that_exclude_it_are_refused():
+    for words in ("golden", "invariant"):
+        with pytest.raises(ConfigError, match=f"--experts-on host .* not with --numerics {words}"):
+            RuntimeOptions.from_profile(words, experts_on="host")
+    with pytest.raises(ConfigError, match="unknown expert placement 'gpu'"):
+        RuntimeOptions.from_profile("reference", experts_on="gpu")
+
+
+def fixture_args():
+    fixture = fixture_file(FIXTURE)
+    return ["--ckpt-path", fixture, "--config", os.path.join(fixture, "config.json"), "--device", "cpu"]
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--offload", "disk"], "--offload disk streams the experts from disk: not with --experts-on host"),
+    (["--numerics", "golden"], "not with --numerics golden")])
+def test_the_cli_names_a_clash_in_one_line(extra, line, tmp_path):
+    (tmp_path / "p.txt").write_text("hello\n")
+    proc = run_cli(fixture_args() + ["--experts-on", "host", "--input-file", str(tmp_path / "p.txt")] + extra)
+    assert proc.returncode != 0 and line in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
+    """generate.py --score --experts-on host, at W = 1 and at W = 2 (each rank's experts on its host): inside
+    the bounds the device placement is held to (W = 2 reduces bf16 partials in another order)."""
+    ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
+    tensors = load_file(os.path.join(fixture_file(FIXTURE), "model0-mp1.safetensors"))
+    from test_tensor_parallel import reshard
+    for rank in range(2):
+        save_file(reshard(tensors, 2, rank), str(tmp_path / f"model{rank}-mp2.safetensors"))
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tmp_path / "tokenizer.json")
+    outs = {}
+    for w, ckpt in ((1, fixture_file(FIXTURE)), (2, str(tmp_path))):
+        outs[w] = tmp_path / f"logits{w}.safetensors"
+        proc = run_cli(["--ckpt-path", ckpt, "--config", os.path.join(FIXTURE, "config.json"),
+                        "--device", "cpu", "--score", os.path.join(FIXTURE, "score.json"), "--experts-on", "host",
+                        "--dump-logits", str(outs[w])], nproc=w)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_close_to_reference(load_file(str(outs[1]))["logits"], ref["step_logits"], 0.25, 0.03)
+    assert_close_to_reference(load_file(str(outs[2]))["logits"], ref["step_logits"], 0.35, 0.05)
