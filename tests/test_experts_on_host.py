@@ -155,8 +155,8 @@ def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
     for w, ckpt in ((1, fixture_file(FIXTURE)), (2, str(tmp_path))):
         outs[w] = tmp_path / f"logits{w}.safetensors"
         proc = run_cli(["--ckpt-path", ckpt, "--config", os.path.join(FIXTURE, "config.json"),
-                        "--device", "cpu", "--score", os.path.join(FIXTURE, "score.json"), "--experts-on", "host",
-                        "--dump-logits", str(outs[w])], nproc=w)
+                        "--device", "cpu", "--score", os.path.join(FIXTURE, "score.json"),
+                        "--experts-on", "host", "--dump-logits", str(outs[w])], nproc=w)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_to_reference(load_file(str(outs[1]))["logits"], ref["step_logits"], 0.25, 0.03)
     assert_close_to_reference(load_file(str(outs[2]))["logits"], ref["step_logits"], 0.35, 0.05)
