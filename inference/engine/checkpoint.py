@@ -277,9 +277,10 @@ def check_memory(plan: MemoryPlan, device: str, log=print, gpu_mem: Optional[int
                               f"{gib(capacity)}{also}: {fix_hint(plan)}")
     ram = host_memory()
     if plan.experts_on == "host" and ram is not None and host > ram:
-        raise CheckpointError(f"the routed experts do not fit in host memory: rank {r.rank} needs {gib(host)} "
-                              f"there (weights and a decode step's expert workspace), this machine has "
-                              f"{gib(ram)}: raise --mp over more machines or use --experts-on device")
+        raise CheckpointError(f"the routed experts do not fit in host memory: rank {r.rank} needs "
+                              f"{gib(host)} there (weights and a decode step's expert workspace), this "
+                              f"machine has {gib(ram)}: raise --mp over more machines or use --experts-on "
+                              f"device")
 
 
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,

@@ -84,6 +84,11 @@ PACKED_READ = 3             # bytes per value a packed-cache read adds: the deco
 
 # Usable memory as the driver reports it (nvidia-smi totals).
 GPUS = {"H100 80 GB": 81559 << 20, "H200 141 GB": 143771 << 20, "B200 180 GB": 183359 << 20}
+# The GPUs a run with the routed experts on the host is planned for (tools/plan.py --experts-on host): the
+# workstation cards' totals as nvidia-smi reports them elsewhere (not seen by this project), the others above.
+HOST_GPUS = {"RTX 4090 24 GB": 24564 << 20, "RTX 5090 32 GB": 32607 << 20, "RTX 6000 Ada 48 GB": 49140 << 20,
+             "H100 80 GB": GPUS["H100 80 GB"], "RTX PRO 6000 96 GB": 97887 << 20,
+             "H200 141 GB": GPUS["H200 141 GB"], "B200 180 GB": GPUS["B200 180 GB"]}
 
 # (key, label, name pattern): the first match wins.
 WEIGHT_GROUPS = (
@@ -460,6 +465,11 @@ class ContextPlan:
     def _ws(self, rows: int, context: int, on_gpu: bool = True) -> int:
         return max(workspace_bytes(self.plan.shapes, self.plan.args.max_batch_size, rows, on_gpu,
                                    context=context).values())
+
+    def need(self, context: int, chunk: int) -> int:
+        """GPU bytes at `context`: the resident bytes and the larger of a decode step's and a chunk's
+        workspace."""
+        return self.resident(context) + max(self._ws(1, context), self._ws(chunk, context))
 
     def largest_chunk(self, capacity: int, context: int) -> int:
         """The largest chunk that fits when its last position is context - 1; 0 if a decode step does not."""
