@@ -203,7 +203,7 @@ def decode_estimate(plan: MemoryPlan, bandwidth: float, source: str) -> dict:
     """Batch-1 decode with the routed experts on the host, bounded by reading them: every MoE layer reads its
     top-k experts' stored bytes (weights and scales) once per token; tokens/s = bandwidth / those bytes. The
     node's ranks share the host's bandwidth and together read the same bytes, so MP does not change it."""
-    a = plan.args
+    a = plan.args                       # every block has an MoE layer: n_layers of them
     routed = sum(r.weights["routed_experts"] for r in plan.ranks) * plan.world_size // len(plan.ranks)
     per_expert = routed // (a.n_layers * a.n_routed_experts)
     per_token = a.n_activated_experts * per_expert * a.n_layers
@@ -296,7 +296,7 @@ def render_host_table(rows: List[dict], cpu: dict, decode: dict, limit: int) -> 
 def host_bandwidth(given: Optional[float]) -> tuple:
     """(GB/s, 'given' or 'measured'): --host-bandwidth, else a streaming read of this machine's memory."""
     if given is not None:
-        if not given > 0:
+        if not 0 < given < float("inf"):
             raise PlanError(f"--host-bandwidth must be a positive figure in GB/s, got {given:g}")
         return given, "given"
     from .bench_experts import read_bandwidth
