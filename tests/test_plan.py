@@ -289,3 +289,155 @@ def test_one_meta_build_serves_the_memory_check_and_the_prefill_chunk(monkeypatc
                plan=plan)
     assert builds == [0]
     assert any(f"prefill in chunks of up to {chunk:,} tokens" in line for line in lines), lines
+
+
+# ---- the routed experts in host memory (--experts-on host) ----
+
+def routed_formula(args: ModelArgs, world_size: int):
+    """(main layers', DSpark head's) routed-expert bytes per rank from the config alone: 3 projections of
+    dim x moe_inter_dim, FP4 codes (half a byte) and one UE8M0 scale byte per 32 weights."""
+    per_expert = 3 * args.dim * args.moe_inter_dim * 17 // 32
+    main = args.n_layers * args.n_routed_experts * per_expert
+    dspark = args.n_mtp_layers * args.dspark_n_routed_experts * per_expert
+    return main // world_size, dspark // world_size
+
+
+@pytest.fixture(scope="module")
+def released_host_table():
+    """The host table of the released model at MP 1 and 2, batch 1, Engram on the host (five meta builds)."""
+    from inference.engine.memory import HOST_GPUS
+    from inference.tools.plan import host_table
+    return host_table(RELEASED_CONFIG, [1, 2], ["host"], [1], HOST_GPUS, None, 1 << 20, None)
+
+
+@pytest.mark.parametrize("world_size, engram", [(1, "device"), (2, "host")])
+def test_host_experts_move_exactly_the_routed_bytes(world_size, engram):
+    """Released config: the host placement takes every routed expert (the main layers' and the DSpark head's,
+    one MoE class builds both) off the GPU at its stored bytes, and nothing else; GPU + host bytes are the
+    device placement's weights, with the Engram tables on either side."""
+    args = ModelArgs.from_file(RELEASED_CONFIG)
+    main, dspark = routed_formula(args, world_size)
+    assert world_size > 1 or main == 288_777_830_400
+    device = plan_memory(args, world_size, ranks=[0]).ranks[0]
+    opts = RuntimeOptions(experts_on="host", engram_on=engram)
+    host = plan_memory(args, world_size, opts, ranks=[0]).ranks[0]
+    assert device.host_bytes == 0 and device.gpu_weights_bytes == device.weights_bytes
+    assert host.weights == device.weights and host.caches == device.caches
+    assert host.weights["routed_experts"] == main and host.routed_bytes == main + dspark
+    assert host.gpu_weights_bytes + host.host_bytes == device.weights_bytes
+    tables = host.weights["engram_tables"] if engram == "host" else 0
+    assert device.gpu_weights_bytes - host.gpu_weights_bytes == main + dspark + tables == host.host_bytes
+
+
+def test_host_decode_estimate_arithmetic(released_host_table):
+    """tokens/s = bandwidth / (top-k experts x 3 projections at stored bytes x the MoE layers)."""
+    from inference.tools.plan import decode_estimate
+    args = ModelArgs.from_file(RELEASED_CONFIG)
+    per_token = args.n_activated_experts * 3 * args.dim * args.moe_inter_dim * 17 // 32 * args.n_layers
+    assert per_token == 4_512_153_600
+    d = decode_estimate(released_host_table["plan"], 50.0, "given")
+    assert d["bytes_per_token"] == per_token and d["expert_bytes"] == per_token // (6 * 40)
+    assert d["tokens_per_s"] == pytest.approx(50e9 / per_token) and d["bandwidth"] == "given"
+    w2 = plan_memory(args, 2, RuntimeOptions(experts_on="host"), ranks=[1])
+    assert decode_estimate(w2, 50.0, "given")["bytes_per_token"] == per_token   # MP reads the same bytes
+
+
+def test_host_table_rows_for_seven_gpus_at_mp_1_and_2(released_host_table):
+    """One row per GPU of HOST_GPUS at MP 1 then 2: the GPU holds the rest of the model, the node's host
+    memory is every rank's routed experts and Engram tables plus the expert workspace of the chunk; with the
+    Engram tables on the host every size from 24 GB holds a context."""
+    from inference.engine.memory import HOST_GPUS, host_expert_workspace
+    from inference.tools.plan import render_host_table
+    args = ModelArgs.from_file(RELEASED_CONFIG)
+    rows = released_host_table["rows"]
+    assert [(r["gpu"], r["mp"]) for r in rows] == [(g, w) for w in (1, 2) for g in HOST_GPUS]
+    for w in (1, 2):
+        main, dspark = routed_formula(args, w)
+        tables = w * sum(-(-n // w) for n in args.engram_num_embeddings) * 264     # ceil(rows / W) per rank
+        mine = [r for r in rows if r["mp"] == w]
+        for r in mine:
+            assert r["fits"] and r["batch"] == 1 and r["capacity"] == HOST_GPUS[r["gpu"]]
+            assert r["chunk"] >= args.window_size
+            ws = w * host_expert_workspace(ModelArgs.from_file(RELEASED_CONFIG, max_batch_size=1), r["chunk"])
+            assert r["host_workspace_bytes"] == ws
+            assert r["host_bytes"] == r["host_weights_bytes"] + ws
+            assert r["host_weights_bytes"] == w * (main + dspark) + tables
+            assert r["resident_bytes"] <= r["gpu_bytes"] <= r["capacity"]
+        assert [r["chunk"] for r in mine] == sorted(r["chunk"] for r in mine)   # grows with the GPU
+    text = render_host_table(rows, released_host_table["cpu_only"],
+                             {"bandwidth_gbps": 50.0, "bandwidth": "given", "bytes_per_token": 4_512_153_600,
+                              "experts_per_token": 6, "expert_bytes": 18_800_640, "moe_layers": 40,
+                              "tokens_per_s": 11.08}, 1 << 20)
+    assert text.count("| yes |") == 14
+    assert "RTX 4090 24 GB | 1 | host | 1 | " in text and "at most 11.1 tokens/s" in text
+
+
+def test_host_table_cpu_only_line(released_host_table):
+    """MP 1, everything in host memory: every weight (routed experts at their stored bytes), the fp32 copies
+    of the other FP8/FP4 weights, the caches and the workspace."""
+    cpu = released_host_table["cpu_only"]
+    main, dspark = routed_formula(ModelArgs.from_file(RELEASED_CONFIG), 1)
+    assert cpu["weights_bytes"] == 513_149_074_264 and cpu["routed_bytes"] == main + dspark
+    assert cpu["host_bytes"] == (cpu["weights_bytes"] + cpu["dequant_bytes"] + cpu["cache_bytes"]
+                                 + cpu["workspace_bytes"])
+    assert cpu["chunk"] == 2048 and cpu["max_seq_len"] == 65536
+    assert 0 < cpu["dequant_bytes"] < 4 * (cpu["weights_bytes"] - cpu["routed_bytes"])
+
+
+def test_host_table_cli_json_and_bad_values(capsys, monkeypatch):
+    """--experts-on host --json on the fixture: the keys, a bandwidth given or measured; a bad value is one
+    line naming the flag."""
+    from inference.tools import bench_experts
+    from inference.tools.plan import main
+    base = ["--config", FIXTURE_CONFIG, "--experts-on", "host", "--mp", "1", "2"]
+    assert main(base + ["--host-bandwidth", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"rows", "cpu_only", "decode", "limit"} and len(out["rows"]) == 14
+    assert set(out["rows"][0]) == {"gpu", "capacity", "mp", "engram_on", "batch", "gpu_weights_bytes", "fits",
+                                   "context", "chunk", "resident_bytes", "gpu_bytes", "host_weights_bytes",
+                                   "host_workspace_bytes", "host_bytes"}
+    assert set(out["cpu_only"]) == {"mp", "max_seq_len", "batch", "chunk", "weights_bytes", "routed_bytes",
+                                    "dequant_bytes", "cache_bytes", "workspace_bytes", "host_bytes"}
+    d = out["decode"]
+    assert d["bandwidth"] == "given" and d["bandwidth_gbps"] == 40.0
+    assert d["tokens_per_s"] == pytest.approx(40e9 / d["bytes_per_token"])
+    monkeypatch.setattr(bench_experts, "read_bandwidth", lambda: 12.5)
+    assert main(base[:-1] + ["--gpu-mem", "24GB"]) == 0
+    text = capsys.readouterr().out
+    assert "12.5 GB/s of host reads (measured)" in text and "| 24GB (--gpu-mem) | 1 | device | 1 |" in text
+    positive = "--host-bandwidth must be a positive figure in GB/s, got"
+    for bad, says in ((["--host-bandwidth", "-3"], f"{positive} -3"),
+                      (["--host-bandwidth", "0"], f"{positive} 0"),
+                      (["--long-context"], "--long-context and --experts-on host are separate tables"),
+                      (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0")):
+        assert main(base + bad) == 1, bad
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    assert main(["--config", FIXTURE_CONFIG, "--host-bandwidth", "40"]) == 1
+    assert capsys.readouterr().err == "error: --host-bandwidth goes with --experts-on host\n"
+
+
+def test_verdict_and_loader_name_the_host_memory(monkeypatch):
+    """With the experts on the host the verdict line names the host memory the rank needs (the device
+    placement's line is as before); the loader stops with one line when this machine has less."""
+    from inference.engine import checkpoint
+    from inference.engine.memory import host_expert_workspace, verdict_line
+    args = ModelArgs.from_file(FIXTURE_CONFIG)
+    device = plan_memory(args, 1, ranks=[0])
+    host = plan_memory(args, 1, RuntimeOptions(experts_on="host"), ranks=[0])
+    budget = 1 << 40
+    line = verdict_line(host, "cuda:0", budget)
+    r = host.worst
+    need = r.routed_bytes + host_expert_workspace(args, args.max_seq_len * args.max_batch_size)
+    assert line.startswith("memory plan (rank 0 of 1, Engram on device, experts on host): ")
+    assert line.endswith(f"; host memory for rank 0: {gib(need)} ({gib(r.routed_bytes)} routed experts + "
+                         f"{gib(need - r.routed_bytes)} expert workspace)")
+    assert "host memory" not in verdict_line(device, "cuda:0", budget)
+    assert "experts on host" in verdict_line(host, "cpu") and "routed experts at" in verdict_line(host, "cpu")
+    lines = []
+    checkpoint.check_memory(host, "cpu", lines.append, gpu_mem=budget)         # fits this machine
+    monkeypatch.setattr(checkpoint, "host_memory", lambda: r.routed_bytes)      # less than it needs
+    with pytest.raises(checkpoint.CheckpointError, match="routed experts do not fit in host memory: rank 0 "
+                       r"needs .* GiB there .* this machine has"):
+        checkpoint.check_memory(host, "cpu", lines.append, gpu_mem=budget)
+    checkpoint.check_memory(device, "cpu", lines.append, gpu_mem=budget)       # no host check without it

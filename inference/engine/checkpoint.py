@@ -15,7 +15,7 @@ from ..safetensors_io import (CHECKSUM, SafetensorsError, check_recorded, read_h
                               tensor_entry)
 from .errors import InputError
 from .memory import (STORED_AS_BF16 as _WIDEN, MemoryPlan, build_meta_model, capacity_of, fix_hint, gib,
-                     rank_plan, verdict_line)
+                     host_memory, rank_plan, verdict_line)
 
 # The DSpark stages share the backbone's embedding and head; a file may carry them as aliases.
 _ALIAS = re.compile(r"^mtp\.\d+\.(embed|head)\.weight$")
@@ -264,14 +264,23 @@ def save_atomically(tensors: dict, path: str, metadata: dict) -> None:
 
 def check_memory(plan: MemoryPlan, device: str, log=print, gpu_mem: Optional[int] = None) -> None:
     """Before anything is allocated: log the memory plan's verdict, and stop with one line naming the fix
-    when the weights, caches and a decode step's workspace cannot fit the GPU (or the `gpu_mem` budget)."""
+    when the weights, caches and a decode step's workspace cannot fit the GPU (or the `gpu_mem` budget), or,
+    with the experts on the host, when what the rank keeps there exceeds this machine's memory."""
     capacity = capacity_of(device, gpu_mem)
     log(verdict_line(plan, device, capacity))
+    r = plan.worst
+    host = plan.host_need(plan.args.max_batch_size)         # the weights there and a decode step's workspace
     if capacity is not None and not plan.fits_decode(capacity):
-        r = plan.worst
+        also = f" (and {gib(host)} in host memory)" if plan.experts_on == "host" else ""
         raise CheckpointError(f"the model does not fit: rank {r.rank} needs "
                               f"{gib(r.resident_bytes + r.phase_bytes('decode'))} on {device}, which has "
-                              f"{gib(capacity)}: {fix_hint(plan)}")
+                              f"{gib(capacity)}{also}: {fix_hint(plan)}")
+    ram = host_memory()
+    if plan.experts_on == "host" and ram is not None and host > ram:
+        raise CheckpointError(f"the routed experts do not fit in host memory: rank {r.rank} needs "
+                              f"{gib(host)} there (weights and a decode step's expert workspace), this "
+                              f"machine has {gib(ram)}: raise --mp over more machines or use --experts-on "
+                              f"device")
 
 
 def load_model(ckpt_dir: str, args, par, opts, device: str = "cpu", tokenizer=None,

@@ -39,6 +39,16 @@ the longest prompt whose one-call prefill fits, and the largest prefill chunk th
 stands for the CUDA context, cuBLAS/NCCL buffers and allocator slack (assumed, not measured). Loop-free or
 fused kernels (--numerics fast, tilelang) need less; the estimate does not model them.
 
+With --experts-on host (RuntimeOptions.experts_on) every routed expert of the rank, the main layers' and the
+DSpark head's (one MoE class holds both), stays in host memory at its stored bytes (FP4 codes + UE8M0 scales,
+or FP8 + scales: the shard's bytes, no dequantised copy) and is computed there by the host-expert kernel;
+the GPU holds the rest. Prefill stays on the host too (no copy of a layer's experts to the GPU), so the GPU
+workspace is the one above; what crosses per call, the tokens' [n, D] bf16 hidden rows each way, is left to
+MARGIN. The host adds a workspace: per call of n tokens (all rows) n * top-k * (2 * moe_inter_dim + dim) * 4
+bytes (every row's fp32 gate and up and its output; a bound for one rank, all k experts of a token being its
+own), times MARGIN. A CPU-only run is the same placement with everything on the CPU: it also holds the fp32
+copies of the other FP8/FP4 weights that the CPU path keeps once used (`dequant_bytes`).
+
 Released config at W = 1 against the Hugging Face checkpoint's 510,286,023,000 tensor bytes: the plan gives
 513,149,074,264 bytes (+0.56 %), the difference being, line by line, `wo_a` dequantized to bf16 with its
 scales dropped (43 layers x (33,554,432 - 32,768) = +1,441,431,552), `head.weight` held in fp32
@@ -46,6 +56,7 @@ scales dropped (43 layers x (33,554,432 - 32,768) = +1,441,431,552), `head.weigh
 2, 8, 14 in fp32 (+31,457,280), the ViT norm weights in fp32 (+133,120) and the confidence projection in fp32
 (+10,752): +2,863,051,264 in all.
 """
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
@@ -73,6 +84,11 @@ PACKED_READ = 3             # bytes per value a packed-cache read adds: the deco
 
 # Usable memory as the driver reports it (nvidia-smi totals).
 GPUS = {"H100 80 GB": 81559 << 20, "H200 141 GB": 143771 << 20, "B200 180 GB": 183359 << 20}
+# The GPUs a run with the routed experts on the host is planned for (tools/plan.py --experts-on host): the
+# workstation cards' totals as nvidia-smi reports them elsewhere (not seen by this project), the others above.
+HOST_GPUS = {"RTX 4090 24 GB": 24564 << 20, "RTX 5090 32 GB": 32607 << 20, "RTX 6000 Ada 48 GB": 49140 << 20,
+             "H100 80 GB": GPUS["H100 80 GB"], "RTX PRO 6000 96 GB": 97887 << 20,
+             "H200 141 GB": GPUS["H200 141 GB"], "B200 180 GB": GPUS["B200 180 GB"]}
 
 # (key, label, name pattern): the first match wins.
 WEIGHT_GROUPS = (
@@ -96,6 +112,9 @@ CACHE_GROUPS = (
     ("rope", "RoPE tables", r"rope\."),
 )
 LABELS = {k: label for k, label, _ in WEIGHT_GROUPS + CACHE_GROUPS}
+# Every routed expert: the main layers' ("routed_experts") and the DSpark head's (within "dspark"), as one MoE
+# class builds both; --experts-on host keeps them all in host memory.
+HOST_EXPERTS = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.")
 
 
 class PlanError(ValueError):
@@ -135,20 +154,30 @@ class RankPlan:
     workspace: Dict[str, int]           # stage -> bytes of the stated workspace (see the module docstring)
     engram_on: str = "device"
     reserve: int = RESERVE
+    experts_on: str = "device"
+    routed_bytes: int = 0               # every routed expert (HOST_EXPERTS), at its stored bytes
+    dequant_bytes: int = 0              # fp32 copies of the other FP8/FP4 Linears, kept by the CPU path
 
     @property
     def weights_bytes(self) -> int:
         return sum(self.weights.values())
 
     @property
+    def host_experts_bytes(self) -> int:
+        """The routed experts' bytes held in host memory (--experts-on host), else 0."""
+        return self.routed_bytes if self.experts_on == "host" else 0
+
+    @property
     def host_bytes(self) -> int:
-        """Bytes kept in CPU memory instead (the Engram tables with --engram-on host)."""
-        return self.weights.get("engram_tables", 0) if self.engram_on == "host" else 0
+        """Weights kept in CPU memory instead: the Engram tables with --engram-on host, every routed expert
+        with --experts-on host."""
+        engram = self.weights.get("engram_tables", 0) if self.engram_on == "host" else 0
+        return engram + self.host_experts_bytes
 
     @property
     def gpu_weights_bytes(self) -> int:
         off = self.weights.get("engram_tables", 0) if self.engram_on != "device" else 0
-        return self.weights_bytes - off
+        return self.weights_bytes - off - self.host_experts_bytes
 
     @property
     def cache_bytes(self) -> int:
@@ -175,8 +204,10 @@ class RankPlan:
 def build_meta_model(args: ModelArgs, world_size: int, rank: int, opts: Optional[RuntimeOptions] = None,
                      language_model_only: bool = False, build_dspark: bool = True) -> Transformer:
     """The model of one rank with every tensor on the meta device (no memory, exact shapes and dtypes). The
-    kernel backend changes no shape: the torch one builds on any device."""
-    opts = replace(opts or RuntimeOptions(), kernel_backend="torch")
+    kernel backend changes no shape: the torch one builds on any device. Nor do the placements: built on the
+    device, the Engram tables and the routed experts stay on the meta device too (a host placement would
+    reserve their host memory), and the plan places them by category."""
+    opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device", experts_on="device")
     return Transformer(args, ParallelContext(world_size, rank), opts, "meta", build_dspark=build_dspark,
                        language_model_only=language_model_only)
 
@@ -199,6 +230,26 @@ def weight_bytes(model: Transformer) -> Tuple[Dict[str, int], int]:
         out[category(name, WEIGHT_GROUPS)] += b
         stored += b // 2 if p.dtype == torch.float32 and STORED_AS_BF16.match(name) else b
     return out, stored
+
+
+def routed_expert_bytes(model: Transformer) -> int:
+    """Bytes of every routed expert's weights and scales (HOST_EXPERTS), as stored."""
+    return sum(nbytes(p) for name, p in model.named_parameters() if HOST_EXPERTS.match(name))
+
+
+def dequant_copy_bytes(model: Transformer) -> int:
+    """fp32 bytes of the FP8/FP4 Linears other than the routed experts: the copies the CPU path keeps once
+    it has used them (inference/kernels/numerics.py dequantized)."""
+    return sum(m.in_features * m.out_features * 4 for name, m in model.named_modules()
+               if isinstance(m, Linear) and m.kind in ("fp8", "fp4") and not HOST_EXPERTS.match(name + "."))
+
+
+def host_expert_workspace(args: ModelArgs, tokens: int) -> int:
+    """Host bytes of the expert kernel's activations for one call of `tokens` tokens (all rows): every
+    token's top-k rows, each its fp32 gate and up (2 * moe_inter_dim) and output (dim), times MARGIN; a bound
+    for one rank (all k experts of a token may be its own)."""
+    per_row = (2 * args.moe_inter_dim + args.dim) * 4
+    return int(tokens * args.n_activated_experts * per_row * MARGIN)
 
 
 def cache_bytes(model: Transformer, hasher: Optional[EngramHasher]) -> Dict[str, int]:
@@ -283,10 +334,20 @@ class MemoryPlan:
     packed_kv: bool = True
     shapes: Optional[Shapes] = None
     ranks: List[RankPlan] = field(default_factory=list)
+    experts_on: str = "device"
 
     @property
     def worst(self) -> RankPlan:
         return max(self.ranks, key=lambda p: p.total_bytes)
+
+    def host_workspace(self, tokens: int) -> int:
+        """Host bytes of the expert kernel for a call of `tokens` tokens (all rows); 0 with the experts on
+        the device."""
+        return host_expert_workspace(self.args, tokens) if self.experts_on == "host" else 0
+
+    def host_need(self, tokens: int) -> int:
+        """Host memory the worst rank needs for its weights there and a call of `tokens` tokens."""
+        return self.worst.host_bytes + self.host_workspace(tokens)
 
     def fits_decode(self, capacity: int) -> bool:
         r = self.worst
@@ -342,7 +403,8 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
     """Plan every rank (or only `ranks`) from meta builds of the model."""
     opts = opts or RuntimeOptions()
     prefill_len = min(prefill_len or args.max_seq_len, args.max_seq_len)
-    plan = MemoryPlan(args, world_size, opts.engram_on, prefill_len, opts.packed_kv and not opts.golden)
+    plan = MemoryPlan(args, world_size, opts.engram_on, prefill_len, opts.packed_kv and not opts.golden,
+                      experts_on=opts.experts_on)
     hasher = meta_hasher(args)
     for rank in (range(world_size) if ranks is None else ranks):
         model = build_meta_model(args, world_size, rank, opts, language_model_only, build_dspark)
@@ -352,7 +414,9 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
                                                                 on_gpu).items()}
         stages.update({f"prefill: {k}": v for k, v in workspace_bytes(plan.shapes, args.max_batch_size,
                                                                       prefill_len, on_gpu).items()})
-        plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on))
+        plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on,
+                                   experts_on=opts.experts_on, routed_bytes=routed_expert_bytes(model),
+                                   dequant_bytes=dequant_copy_bytes(model)))
     return plan
 
 
@@ -370,6 +434,14 @@ def capacity_of(device: str, gpu_mem: Optional[int] = None) -> Optional[int]:
     if gpu_mem is None and device.startswith("cuda"):
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     return gpu_mem
+
+
+def host_memory() -> Optional[int]:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -393,6 +465,11 @@ class ContextPlan:
     def _ws(self, rows: int, context: int, on_gpu: bool = True) -> int:
         return max(workspace_bytes(self.plan.shapes, self.plan.args.max_batch_size, rows, on_gpu,
                                    context=context).values())
+
+    def need(self, context: int, chunk: int) -> int:
+        """GPU bytes at `context`: the resident bytes and the larger of a decode step's and a chunk's
+        workspace."""
+        return self.resident(context) + max(self._ws(1, context), self._ws(chunk, context))
 
     def largest_chunk(self, capacity: int, context: int) -> int:
         """The largest chunk that fits when its last position is context - 1; 0 if a decode step does not."""
@@ -422,27 +499,51 @@ def context_plan(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions
 
 
 def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) -> str:
-    """One line: what every run needs on the device, and (with a capacity) whether and how far it fits."""
+    """One line: what every run needs on the device, and (with a capacity) whether and how far it fits; with
+    the experts on the host, what it needs in host memory too."""
     r = plan.worst
     decode = r.phase_bytes("decode")
     need = r.resident_bytes + decode
-    line = (f"memory plan (rank {r.rank} of {plan.world_size}, Engram on {plan.engram_on}): "
+    where = ", experts on host" if plan.experts_on == "host" else ""
+    line = (f"memory plan (rank {r.rank} of {plan.world_size}, Engram on {plan.engram_on}{where}): "
             f"{gib(r.gpu_weights_bytes)} weights + {gib(r.cache_bytes)} caches + {gib(decode)} decode "
             f"workspace + {gib(r.reserve)} reserve = {gib(need)}")
+    a = plan.args
     if capacity is None:
         if not device.startswith("cuda"):       # no reserve or GPU workspace; the CPU path caches more
+            if plan.experts_on == "host":
+                experts = plan.host_workspace(plan.prefill_len * a.max_batch_size)
+                return (f"memory plan (rank {r.rank} of {plan.world_size}, experts on host): "
+                        f"{gib(r.weights_bytes)} weights ({gib(r.routed_bytes)} of them routed experts at "
+                        f"their stored bytes) + {gib(r.dequant_bytes)} fp32 copies of the other quantized "
+                        f"weights (kept once used) + {gib(r.cache_bytes)} caches on {device}, plus the "
+                        f"workspace of a call ({gib(experts)} for the experts of a one-call prefill of "
+                        f"{plan.prefill_len:,} x {a.max_batch_size})")
             return (f"memory plan (rank {r.rank} of {plan.world_size}): {gib(r.weights_bytes)} weights + "
                     f"{gib(r.cache_bytes)} caches on {device}, plus fp32 copies of the quantized weights "
                     f"the CPU path caches as it uses them")
-        return line + f" on {device}"
+        return line + f" on {device}" + host_part(plan, plan.prefill_len)
     if need > capacity:
-        return line + f" of {gib(capacity)} on {device}: does not fit"
-    a, chunk = plan.args, plan.default_chunk(capacity)
+        return line + f" of {gib(capacity)} on {device}: does not fit" + host_part(plan, 1)
+    chunk = plan.default_chunk(capacity)
     if chunk is None:
         return line + f" of {gib(capacity)} on {device}; prompts of {a.max_seq_len:,} tokens x " \
-            f"{a.max_batch_size} rows prefill in one call"
+            f"{a.max_batch_size} rows prefill in one call" + host_part(plan, a.max_seq_len)
     return (line + f" of {gib(capacity)} on {device}; prefill in chunks of up to {chunk:,} tokens (one call: "
-            f"prompts up to {plan.longest_prefill(capacity):,} tokens x {a.max_batch_size} rows)")
+            f"prompts up to {plan.longest_prefill(capacity):,} tokens x {a.max_batch_size} rows)"
+            + host_part(plan, chunk))
+
+
+def host_part(plan: MemoryPlan, per_row: int) -> str:
+    """'; host memory ...' with the experts on the host (calls of `per_row` tokens per row), else ''."""
+    if plan.experts_on != "host":
+        return ""
+    r, tokens = plan.worst, per_row * plan.args.max_batch_size
+    engram = r.host_bytes - r.host_experts_bytes
+    parts = [f"{gib(r.host_experts_bytes)} routed experts"]
+    parts += [f"{gib(engram)} Engram tables"] if engram else []
+    parts.append(f"{gib(plan.host_workspace(tokens))} expert workspace")
+    return f"; host memory for rank {r.rank}: {gib(plan.host_need(tokens))} ({' + '.join(parts)})"
 
 
 def fix_hint(plan: MemoryPlan) -> str:

@@ -4,11 +4,23 @@
         --engram-on host [--gpu-mem 141GB] [--prefill-len N] [--prefill-chunk C] [--json]
     python -m inference.tools.plan --config config.json --long-context --mp 4 8 --max-batch-size 1 4 \\
         --engram-on device host [--prefill-chunk C] [--limit 1048576]
+    python -m inference.tools.plan --config config.json --experts-on host --mp 1 2 --max-batch-size 1 \\
+        --engram-on host device [--gpu-mem 24GB] [--host-bandwidth 50] [--json]
 
 --long-context answers how long a context each setup holds when prompts are prefilled in chunks
 (generate.py --prefill-chunk): per GPU, the longest context (at most --limit positions per row) at which a
 decode step and a prefill chunk (of C tokens, or the largest that fits but at least one window) fit beside
 the weights and the caches of that context, and the chunk it then needs. Prefill time is not estimated.
+
+--experts-on host plans the placement that keeps every routed expert in host memory at its stored bytes,
+computed there (RuntimeOptions.experts_on; inference/engine/memory.py): per GPU (the seven of HOST_GPUS, or
+--gpu-mem) and MP, what each GPU holds, the longest context that fits as --long-context finds it (prefill
+chunks as generate.py picks them, or C), the host memory the node needs (the routed experts of its MP ranks,
+the Engram tables with --engram-on host, the expert kernel's workspace for a chunk); a CPU-only line (MP 1,
+everything in host memory, prefill chunks of C or 2,048 tokens, at --max-seq-len or 65,536 positions); and a
+batch-1 decode bound: the host's read bandwidth (--host-bandwidth GB/s, else measured with
+inference.tools.bench_experts.read_bandwidth) over the routed-expert bytes a token reads (top-k experts of
+every MoE layer, at their stored bytes incl. scales).
 
 Weights and caches are exact (the model is built on the meta device for every rank); the activation
 workspace is a stated estimate of the torch code path (inference/engine/memory.py lists its terms). The
@@ -30,9 +42,11 @@ import sys
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from ..config import ENGRAM_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
-from ..engine.memory import (GPUS, LABELS, WEIGHT_GROUPS, MemoryPlan, PlanError, context_plan, fix_hint, gib,
-                              parse_bytes, plan_memory)
+from ..config import ENGRAM_PLACEMENTS, EXPERT_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
+from ..engine.memory import (GPUS, HOST_GPUS, LABELS, WEIGHT_GROUPS, ContextPlan, MemoryPlan, PlanError,
+                              context_plan, fix_hint, gib, parse_bytes, plan_memory, workspace_bytes)
+
+CPU_CHUNK = 2048        # the CPU-only line's prefill chunk without --prefill-chunk (a CPU picks none)
 
 
 def verdicts(plan: MemoryPlan, gpus: Dict[str, int], chunk: Optional[int] = None) -> Dict[str, dict]:
@@ -185,6 +199,110 @@ def render_long_context(rows: List[dict], limit: int) -> str:
     return "\n".join(lines)
 
 
+def decode_estimate(plan: MemoryPlan, bandwidth: float, source: str) -> dict:
+    """Batch-1 decode with the routed experts on the host, bounded by reading them: every MoE layer reads its
+    top-k experts' stored bytes (weights and scales) once per token; tokens/s = bandwidth / those bytes. The
+    node's ranks share the host's bandwidth and together read the same bytes, so MP does not change it."""
+    a = plan.args                       # every block has an MoE layer: n_layers of them
+    routed = sum(r.weights["routed_experts"] for r in plan.ranks) * plan.world_size // len(plan.ranks)
+    per_expert = routed // (a.n_layers * a.n_routed_experts)
+    per_token = a.n_activated_experts * per_expert * a.n_layers
+    return {"bandwidth_gbps": bandwidth, "bandwidth": source, "expert_bytes": per_expert,
+            "moe_layers": a.n_layers, "experts_per_token": a.n_activated_experts,
+            "bytes_per_token": per_token, "tokens_per_s": bandwidth * 1e9 / per_token}
+
+
+def host_row(cp: ContextPlan, name: str, cap: int, chunk: Optional[int], limit: int) -> dict:
+    """One GPU with the experts on the host: the longest context (as --long-context), the GPU bytes there,
+    and the host memory of the node (every rank's host weights and the expert workspace of its chunk)."""
+    plan, batch = cp.plan, cp.plan.args.max_batch_size
+    longest = cp.longest_context(cap, chunk, limit)
+    largest = cp.largest_chunk(cap, longest) if longest else 0
+    used = min(chunk or largest, largest)
+    host_weights = sum(r.host_bytes for r in plan.ranks)
+    workspace = plan.world_size * plan.host_workspace(max(used, 1) * batch)     # a decode step if none fits
+    return {"gpu": name, "capacity": cap, "mp": plan.world_size, "engram_on": plan.engram_on, "batch": batch,
+            "gpu_weights_bytes": plan.worst.gpu_weights_bytes, "fits": longest > 0, "context": longest,
+            "chunk": used, "resident_bytes": cp.resident(longest) if longest else None,
+            "gpu_bytes": cp.need(longest, used) if longest else None,
+            "host_weights_bytes": host_weights, "host_workspace_bytes": workspace,
+            "host_bytes": host_weights + workspace}
+
+
+def cpu_only(plan: MemoryPlan, chunk: int) -> dict:
+    """MP 1 with everything in host memory: the weights (routed experts at their stored bytes), the fp32
+    copies the CPU path keeps of the other quantized weights, the caches, and the larger workspace of a decode
+    step and a prefill chunk at the full context (the CPU path's stages and the expert kernel's)."""
+    r, a = plan.worst, plan.args
+
+    def call(tokens: int) -> int:       # the CPU path's largest stage and the expert kernel's, per row tokens
+        stages = workspace_bytes(plan.shapes, a.max_batch_size, tokens, on_gpu=False, context=a.max_seq_len)
+        return max(stages.values()) + plan.host_workspace(tokens * a.max_batch_size)
+    workspace = max(call(1), call(chunk))
+    return {"mp": 1, "max_seq_len": a.max_seq_len, "batch": a.max_batch_size, "chunk": chunk,
+            "weights_bytes": r.weights_bytes, "routed_bytes": r.routed_bytes,
+            "dequant_bytes": r.dequant_bytes, "cache_bytes": r.cache_bytes, "workspace_bytes": workspace,
+            "host_bytes": r.weights_bytes + r.dequant_bytes + r.cache_bytes + workspace}
+
+
+def host_table(config: str, mps: List[int], placements: List[str], batches: List[int], gpus: Dict[str, int],
+               chunk: Optional[int], limit: int, cpu_seq_len: Optional[int]) -> dict:
+    """Rows per (MP, Engram placement, batch, GPU) with the experts on the host, the CPU-only line (first
+    batch) and the plan the decode estimate reads."""
+    rows, plans = [], {}
+    for mp in mps:
+        for engram_on in placements:
+            for batch in batches:
+                args = ModelArgs.from_file(config, max_batch_size=batch, max_seq_len=65536)
+                args.check_world_size(mp)
+                opts = RuntimeOptions.from_profile("reference", engram_on=engram_on, experts_on="host")
+                cp = context_plan(args, mp, opts)
+                plans[mp, batch] = cp.plan
+                rows += [host_row(cp, name, cap, chunk, limit) for name, cap in gpus.items()]
+    seq = cpu_seq_len or 65536
+    cpu_plan = plans.get((1, batches[0])) if seq == 65536 else None
+    if cpu_plan is None:
+        args = ModelArgs.from_file(config, max_batch_size=batches[0], max_seq_len=seq)
+        cpu_plan = plan_memory(args, 1, RuntimeOptions.from_profile("reference", experts_on="host"),
+                               on_gpu=False)
+    return {"rows": rows, "cpu_only": cpu_only(cpu_plan, min(chunk or CPU_CHUNK, seq)), "plan": cpu_plan}
+
+
+def render_host_table(rows: List[dict], cpu: dict, decode: dict, limit: int) -> str:
+    lines = [f"routed experts on the host (--experts-on host): per GPU, the longest context (at most "
+             f"{limit:,} per row) / its prefill chunk; host memory for the node (all MP ranks)",
+             "| GPU | MP | Engram | batch | weights per GPU | + caches, reserve at that context | "
+             "host memory | longest context / chunk | fits |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        at = gib(r["resident_bytes"]) if r["fits"] else "-"
+        ctx = f"{r['context']:,} / {r['chunk']:,}" if r["fits"] else "-"
+        lines.append(f"| {r['gpu']} | {r['mp']} | {r['engram_on']} | {r['batch']} | "
+                     f"{gib(r['gpu_weights_bytes'])} | {at} | {gib(r['host_bytes'])} | {ctx} | "
+                     f"{'yes' if r['fits'] else 'no'} |")
+    lines.append(f"CPU only (MP 1, {cpu['max_seq_len']:,} x {cpu['batch']}, prefill chunks of "
+                 f"{cpu['chunk']:,}): {gib(cpu['host_bytes'])} of host memory = {gib(cpu['weights_bytes'])} "
+                 f"weights (routed experts {gib(cpu['routed_bytes'])} at their stored bytes) + "
+                 f"{gib(cpu['dequant_bytes'])} fp32 copies of the other quantized weights + "
+                 f"{gib(cpu['cache_bytes'])} caches + "
+                 f"{gib(cpu['workspace_bytes'])} workspace")
+    d = decode
+    lines.append(f"decode, batch 1: {d['bandwidth_gbps']:.1f} GB/s of host reads ({d['bandwidth']}) / "
+                 f"{d['bytes_per_token'] / 1e9:.3f} GB of routed experts per token ({d['experts_per_token']} "
+                 f"experts x {d['expert_bytes']:,} B x {d['moe_layers']} MoE layers) = at most "
+                 f"{d['tokens_per_s']:.1f} tokens/s (the GPU's share of a step not counted)")
+    return "\n".join(lines)
+
+
+def host_bandwidth(given: Optional[float]) -> tuple:
+    """(GB/s, 'given' or 'measured'): --host-bandwidth, else a streaming read of this machine's memory."""
+    if given is not None:
+        if not 0 < given < float("inf"):
+            raise PlanError(f"--host-bandwidth must be a positive figure in GB/s, got {given:g}")
+        return given, "given"
+    from .bench_experts import read_bandwidth
+    return read_bandwidth(), "measured"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="inference config.json")
@@ -208,10 +326,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--language-model-only", action="store_true", help="without the ViT")
     ap.add_argument("--kv-format", choices=["packed", "bf16"], default="packed",
                     help="KV caches as FP8/FP4 codes + scales (the default) or bf16 buffers")
+    ap.add_argument("--experts-on", choices=EXPERT_PLACEMENTS, default="device",
+                    help="host: the table for the routed experts in host memory (GPUs of 24 to 180 GB, each "
+                    "--mp, a CPU-only line, a decode estimate)")
+    ap.add_argument("--host-bandwidth", type=float, default=None, help="--experts-on host: the host's memory "
+                    "read bandwidth in GB/s for the decode estimate (default: measured here)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     o = ap.parse_args(argv)
     try:
         gpus = {f"{o.gpu_mem} (--gpu-mem)": parse_bytes(o.gpu_mem)} if o.gpu_mem else dict(GPUS)
+        if o.experts_on == "host":
+            if o.long_context:
+                raise PlanError("--long-context and --experts-on host are separate tables (the host table "
+                                "gives the longest context)")
+            if o.prefill_chunk is not None and o.prefill_chunk < 1:
+                raise PlanError(f"--prefill-chunk must be at least 1, got {o.prefill_chunk}")
+            bandwidth = host_bandwidth(o.host_bandwidth)
+            batches = o.max_batch_size or [ModelArgs.from_file(o.config).max_batch_size]
+            out = host_table(o.config, o.mp, o.engram_on, batches, gpus if o.gpu_mem else dict(HOST_GPUS),
+                             o.prefill_chunk, o.limit, o.max_seq_len)
+            decode = decode_estimate(out.pop("plan"), *bandwidth)
+            print(json.dumps({**out, "decode": decode, "limit": o.limit}, indent=1) if o.json
+                  else render_host_table(out["rows"], out["cpu_only"], decode, o.limit))
+            return 0
+        if o.host_bandwidth is not None:
+            raise PlanError("--host-bandwidth goes with --experts-on host")
         if o.long_context:
             batches = o.max_batch_size or [ModelArgs.from_file(o.config).max_batch_size]
             rows = long_context(o.config, o.mp, batches, o.engram_on, gpus, o.prefill_chunk, o.limit)
