@@ -76,6 +76,9 @@ def resolve(variant: Optional[str] = None) -> str:
         return v
     if v not in VARIANTS:
         raise ValueError(f"host experts: unknown variant {v!r} (auto, torch, {', '.join(VARIANTS)})")
+    if VARIANTS.index(v) < VARIANTS.index(auto_variant()):          # its instructions would kill us (SIGILL)
+        raise ValueError(f"host experts: variant {v!r} needs a CPU with {v.upper()}; this one has "
+                         f"{torch.backends.cpu.get_cpu_capability()} (use {auto_variant()}, scalar or torch)")
     return v if _library(v, _compiler(), _cache_dir()) is not None else "torch"
 
 
@@ -194,8 +197,10 @@ def linear_torch(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
 def _order(kind: str, variant: str) -> int:
     """The kernel's activation order: 0 as is (fp8), 1 each 32 as its even then odd elements (fp4: the low
     and high nibbles of the block's 16 bytes), 2 each 128 as [8, 16] (fp4 on avx512: element 8 d + q at
-    16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128."""
-    return 0 if kind == "fp8" else 2 if variant == "avx512" else 1
+    16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128, 3 each 32 as
+    [4, 2, 4] (fp4 on avx2: element 16 h + 4 d + 2 i + l at 8 (2 h + i) + 4 l + d, lane 4 l + d of vector
+    2 h + i, l the nibble)."""
+    return 0 if kind == "fp8" else {"avx512": 2, "avx2": 3}.get(variant, 1)
 
 
 def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
@@ -208,6 +213,8 @@ def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
         a = a.view(m, -1, 16, 8).transpose(-1, -2)                  # [M, Kx/128, 8, 16]
     elif order == 1:
         a = a.view(m, -1, BLOCK // 2, 2).transpose(-1, -2)          # [M, K/32, 2, 16]
+    elif order == 3:
+        a = a.view(m, -1, 2, 4, 2, 2).permute(0, 1, 2, 4, 5, 3)     # [M, K/32, h, i, l, d]
     return a.contiguous().view(m, -1)
 
 
