@@ -12,7 +12,8 @@
  * Activations x [M, K] fp32 (act_quant's q * s, exact; he_act_quant makes them) in the order the weights
  * unpack in: fp8 as is; fp4 each 32-block as its 16 even elements then its 16 odd ones (portable C), on
  * AVX-512 each 128 as [8, 16], K padded to 128, on AVX2 each 32 as [4, 2, 4] (see the two tile_fp4). Scale
- * byte e means 2^(e - 127); byte 0 is 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not expected (checkpoints have none).
+ * byte e means 2^(e - 127); byte 0 is 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not
+ * expected (checkpoints have none).
  */
 #include <math.h>
 #include <pthread.h>
