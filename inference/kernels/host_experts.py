@@ -12,12 +12,14 @@ Two implementations of the same function:
     native  host_experts.c, built here with the C compiler (gcc -O3 -shared -fPIC, cached under the user's
             cache directory, keyed by a hash of the source, the compiler and its flags) and called through
             ctypes: act_quant in C (the same bits, written in the order the weights unpack in), the weights
-            decoded in registers, the 16-entry E2M1 table looked up with vpermps, the block's power of two
-            applied by a multiply, fp32 FMAs; weight rows in chunks over torch.get_num_threads() threads.
-            Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
+            decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps; avx2: each code's
+            two bf16 bytes looked up with vpshufb), the block's power of two applied by a multiply (for one
+            token, to the block's sum), fp32 FMAs; weight rows in chunks over torch.get_num_threads()
+            threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
-auto. When the kernel cannot be built (no compiler: $CC, else cc or gcc), one line on stderr says so, once
-per process (and variant asked for), and the torch path runs.
+auto. A native variant beyond what the CPU runs (torch's view of it, as auto's) is refused in one line (a
+ValueError) rather than dying of SIGILL. When the kernel cannot be built (no compiler: $CC, else cc or gcc),
+one line on stderr says so, once per process (and variant asked for), and the torch path runs.
 
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
 Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
@@ -26,6 +28,11 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 51 GB/s; 4.0 ms per layer), 13-14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
+(The avx2 figure there is the earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
+idle, read bandwidth 29-30 GB/s), avx2: decode 11.4-11.7 GB/s (38-39 %; 9.9-10.8 ms per layer; the earlier
+decode 6.8-7.1 GB/s, 21-23 %), bound by instructions (one thread: 6.3-6.6 GB/s from DRAM or L3 alike);
+prefill 133-142 tokens/s (28-30 GMAC/s; earlier 107-115); scalar 1.0 GB/s, 9.5 tokens/s.
+docs/benchmarks.md section 6 has the details.
 """
 import ctypes
 import functools
