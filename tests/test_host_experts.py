@@ -197,13 +197,15 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(tmp_path):
 
 def test_a_variant_beyond_the_cpu_is_refused_in_one_line(monkeypatch):
     """Forcing avx512 on an AVX2 CPU (or avx2 on one without) would die of SIGILL in the kernel: resolve
-    refuses it first, naming the variant and what the CPU has (torch's view); scalar and torch still run."""
+    refuses it first, naming the variant and what the CPU has (torch's view) and what runs instead."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setenv(he.ENV, "avx512")
-    with pytest.raises(ValueError, match=r"variant 'avx512' needs a CPU with AVX512; this one has AVX2"):
+    with pytest.raises(ValueError, match=r"variant 'avx512' needs a CPU with AVX512; this one has AVX2 "
+                                         r"\(use avx2, scalar or torch\)"):
         he.kernel_variant()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    with pytest.raises(ValueError, match=r"variant 'avx2' needs a CPU with AVX2; this one has DEFAULT"):
+    with pytest.raises(ValueError, match=r"variant 'avx2' needs a CPU with AVX2; this one has DEFAULT "
+                                         r"\(use scalar or torch\)"):
         he.resolve("avx2")
     monkeypatch.setenv(he.ENV, "torch")
     assert he.kernel_variant() == "torch" and he.auto_variant() == "scalar"

@@ -83,9 +83,10 @@ def resolve(variant: Optional[str] = None) -> str:
         return v
     if v not in VARIANTS:
         raise ValueError(f"host experts: unknown variant {v!r} (auto, torch, {', '.join(VARIANTS)})")
-    if VARIANTS.index(v) < VARIANTS.index(auto_variant()):          # its instructions would kill us (SIGILL)
+    runs = VARIANTS[VARIANTS.index(auto_variant()):]
+    if v not in runs:                                               # its instructions would kill us (SIGILL)
         raise ValueError(f"host experts: variant {v!r} needs a CPU with {v.upper()}; this one has "
-                         f"{torch.backends.cpu.get_cpu_capability()} (use {auto_variant()}, scalar or torch)")
+                         f"{torch.backends.cpu.get_cpu_capability()} (use {', '.join(runs)} or torch)")
     return v if _library(v, _compiler(), _cache_dir()) is not None else "torch"
 
 
