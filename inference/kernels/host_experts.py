@@ -29,7 +29,7 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 (The avx2 figure there is the earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
-idle, read bandwidth 29-30 GB/s), avx2: decode 11.4-11.7 GB/s (38-39 %; 9.9-10.8 ms per layer; the earlier
+idle, read bandwidth 29-37 GB/s), avx2: decode 11.3-11.7 GB/s (31-39 %; 9.9-10.9 ms per layer; the earlier
 decode 6.8-7.1 GB/s, 21-23 %), bound by instructions (one thread: 6.3-6.6 GB/s from DRAM or L3 alike);
 prefill 133-142 tokens/s (28-30 GMAC/s; earlier 107-115); scalar 1.0 GB/s, 9.5 tokens/s.
 docs/benchmarks.md section 6 has the details.
