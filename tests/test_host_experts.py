@@ -116,7 +116,7 @@ def test_two_projections_in_one_call_and_threads(variant):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
-@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("order", [0, 1, 2, 3])
 def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
     """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks
     (E4M3 subnormals, ties: bf16 inputs have 8 significant bits), a zero row (the 1e-4 floor), -0."""
@@ -193,6 +193,22 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(tmp_path):
     assert p.stdout.strip() == "torch"
     notices = [line for line in p.stderr.splitlines() if line.startswith("host experts:")]
     assert len(notices) == 1 and "torch path" in notices[0], p.stderr
+
+
+def test_a_variant_beyond_the_cpu_is_refused_in_one_line(monkeypatch):
+    """Forcing avx512 on an AVX2 CPU (or avx2 on one without) would die of SIGILL in the kernel: resolve
+    refuses it first, naming the variant and what the CPU has (torch's view) and what runs instead."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv(he.ENV, "avx512")
+    with pytest.raises(ValueError, match=r"variant 'avx512' needs a CPU with AVX512; this one has AVX2 "
+                                         r"\(use avx2, scalar or torch\)"):
+        he.kernel_variant()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ValueError, match=r"variant 'avx2' needs a CPU with AVX2; this one has DEFAULT "
+                                         r"\(use scalar or torch\)"):
+        he.resolve("avx2")
+    monkeypatch.setenv(he.ENV, "torch")
+    assert he.kernel_variant() == "torch" and he.auto_variant() == "scalar"
 
 
 def test_forced_torch_path_needs_no_compiler(monkeypatch):

@@ -10,9 +10,10 @@
  *   fp4: bytes [N, K/2], low nibble = even element, E2M1 code (bit 3 = sign); UE8M0 scales [N, K/32].
  *   fp8: E4M3 bytes [N, K]; UE8M0 scales [ceil(N/32), K/32], one per 32 x 32 block.
  * Activations x [M, K] fp32 (act_quant's q * s, exact; he_act_quant makes them) in the order the weights
- * unpack in: fp8 as is; fp4 each 32-block as its 16 even elements then its 16 odd ones, or on AVX-512 each
- * 128 as [8, 16] (see tile_fp4), K padded to 128. Scale byte e means 2^(e - 127); byte 0 is
- * 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not expected (checkpoints have none).
+ * unpack in: fp8 as is; fp4 each 32-block as its 16 even elements then its 16 odd ones (portable C), on
+ * AVX-512 each 128 as [8, 16], K padded to 128, on AVX2 each 32 as [4, 2, 4] (see the two tile_fp4). Scale
+ * byte e means 2^(e - 127); byte 0 is 2^-127. K is a multiple of 32; E4M3 NaN codes (0x7F, 0xFF) are not
+ * expected (checkpoints have none).
  */
 #include <math.h>
 #include <pthread.h>
@@ -78,37 +79,17 @@ static inline float ue8m0(uint8_t e) {
 
 /* ---- one 32-block of one weight row -> PARTS vectors of its exact fp32 values ---- */
 
-/* fp4: the 16 bytes of the block at p, scale byte e; out in the activation order (even elements first). */
+#if WIDTH == 1
+/* fp4 (the portable build; AVX-512 and AVX2 have tile_fp4): the 16 bytes of the block at p, scale byte e;
+   out in the activation order (even elements first) */
 static inline void decode_fp4(const uint8_t *p, uint8_t e, vec out[PARTS]) {
     float sc = ue8m0(e);
-#if WIDTH == 16
-    /* the value table, scaled once per block (exact: <= 2 significant bits times a power of two), looked
-       up with vpermps, which reads the low 4 bits of each index: the low nibble as is, the high one
-       shifted */
-    __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(sc));
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    out[0] = _mm512_permutexvar_ps(v, tab);
-    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
-#elif WIDTH == 8
-    /* vpermps reaches 8 entries: the magnitude from the low 3 bits, the code's sign bit moved to bit 31 */
-    __m256 tab = _mm256_mul_ps(_mm256_loadu_ps(E2M1), _mm256_set1_ps(sc));
-    __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-    for (int h = 0; h < 2; h++) {
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
-        __m256i s_lo = _mm256_and_si256(_mm256_slli_epi32(v, 28), sign);
-        __m256i s_hi = _mm256_and_si256(_mm256_slli_epi32(v, 24), sign);
-        __m256 lo = _mm256_permutevar8x32_ps(tab, v);
-        __m256 hi = _mm256_permutevar8x32_ps(tab, _mm256_srli_epi32(v, 4));
-        out[h] = _mm256_xor_ps(lo, _mm256_castsi256_ps(s_lo));
-        out[2 + h] = _mm256_xor_ps(hi, _mm256_castsi256_ps(s_hi));
-    }
-#else
     for (int i = 0; i < 16; i++) {
         out[i] = E2M1[p[i] & 15] * sc;
         out[16 + i] = E2M1[p[i] >> 4] * sc;
     }
-#endif
 }
+#endif
 
 /* fp8: the 32 bytes of the block at p, scale byte e. An E4M3 code's magnitude bits placed at fp32 bits
    20..26 read as its value times 2^-120 (subnormal codes included: they land on fp32 subnormals), and the
@@ -160,9 +141,11 @@ static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k
         for (int r = 0; r < R; r++) {
             int64_t row = r0 + r;
             const int64_t row_bytes = fp4 ? k / 2 : k, block_bytes = fp4 ? 16 : BLK;
+#if WIDTH == 1
             if (fp4)
                 decode_fp4(j->w + row * (k / 2) + kb * 16, j->s[row * kb_n + kb], wv[r]);
             else
+#endif
                 decode_fp8(j->w + row * k + kb * BLK, j->s[(row / BLK) * kb_n + kb], wv[r]);
 #if WIDTH > 1 /* the tile after next, in step (as tile_fp4 does) */
             __builtin_prefetch(j->w + (row + 2 * R) * row_bytes + kb * block_bytes);
@@ -258,6 +241,99 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
+#elif WIDTH == 8
+/* AVX2 MXFP4, one block (16 bytes) at a time, no multiply and no permute in the decode: the bytes in both
+   128-bit lanes, the high lane shifted right by 4, so that byte j's low nibble is element 2j's code (low
+   lane) or element 2j + 1's (high lane). Every E2M1 value is a bf16 (<= 2 significant bits): vpshufb looks
+   up each code's high and low bf16 byte in two 16-entry tables (sign included), vpunpck{l,h}bw pairs them
+   into words, and a bf16 word w is the fp32 w << 16: the even words shifted up, the odd ones masked in
+   place: 11 vector instructions for the block's 4 vectors (with vpermps, the sign xor and the scale
+   multiply: 22). Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come
+   in that order (host_experts.py, order 3). */
+
+/* the 4 unscaled vectors of the block at p */
+static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, __m256i tab_hi, __m256i tab_lo,
+                                                             __m256 w[4]) {
+    __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    c = _mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                         _mm256_set1_epi8(0x0F));
+    __m256i hi = _mm256_shuffle_epi8(tab_hi, c), lo = _mm256_shuffle_epi8(tab_lo, c);
+    __m256i b0 = _mm256_unpacklo_epi8(lo, hi), b1 = _mm256_unpackhi_epi8(lo, hi); /* bf16 words */
+    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
+    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16));
+    w[1] = _mm256_castsi256_ps(_mm256_and_si256(b0, odd));
+    w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16));
+    w[3] = _mm256_castsi256_ps(_mm256_and_si256(b1, odd));
+}
+
+/* the scale bytes of blocks 0 .. nb - 1 (nb <= 8) at s -> 2^(e - 127) each, stored at out */
+static inline void scales8(const uint8_t *s, int nb, float out[8]) {
+    uint64_t b = 0;
+    if (nb == 8)
+        memcpy(&b, s, 8); /* one load (a memcpy of a variable size would be a call) */
+    else
+        for (int i = 0; i < nb; i++) b |= (uint64_t)s[i] << (8 * i);
+    __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)b));
+    /* e << 23 is 2^(e - 127) as fp32 bits; byte 0 gives 0, raised to 2^-127's bits (below every other) */
+    e = _mm256_max_epu32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000));
+    _mm256_storeu_ps(out, _mm256_castsi256_ps(e));
+}
+
+static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64_t k, int64_t r0,
+                                                           int64_t t0, const int R, const int T) {
+    /* E2M1 codes 0..15 as bf16: high bytes, low bytes (in each lane, as vpshufb reads them) */
+    const __m256i tab_hi = _mm256_setr_epi8(
+        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0,
+        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0);
+    const __m256i tab_lo = _mm256_setr_epi8(
+        0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+        0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0);
+    const int64_t kb_n = k / BLK, row_bytes = k / 2;
+    __m256 acc[2 * ROWS][TOKS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < kb_n; g += 8) {
+        const int nb = kb_n - g < 8 ? (int)(kb_n - g) : 8;
+        float sc[2 * ROWS][8] __attribute__((aligned(32))); /* the rows' scales, broadcast from memory */
+        for (int r = 0; r < R; r++) {
+            scales8(j->s + (r0 + r) * kb_n + g, nb, sc[r]);
+            _mm_prefetch((const char *)(j->s + (r0 + 2 * R + r) * kb_n + g), _MM_HINT_T0);
+        }
+        for (int b = 0; b < nb; b++) {
+            const int64_t kb = g + b;
+            const float *xb = j->x + t0 * k + kb * BLK;
+            /* the tile after next, in step, one line (4 blocks) of each row at a time: R streams of k/2
+               bytes are too short for the hardware prefetchers to find in time (past the end: no fault) */
+            if (b % 4 == 0)
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(j->w + (r0 + 2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                __m256 w[4];
+                e2m1_block(j->w + (r0 + r) * row_bytes + 16 * kb, tab_hi, tab_lo, w);
+                const __m256 s = _mm256_broadcast_ss(&sc[r][b]);
+                if (T == 1) {
+                    /* one token: the block's sum of unscaled products, then times its scale (exact, a
+                       power of two): one multiply per block instead of one per weight vector */
+                    __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+                    for (int q = 1; q < 4; q++)
+                        part = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xb + 8 * q), part);
+                    acc[r][0] = _mm256_fmadd_ps(part, s, acc[r][0]);
+                } else {
+                    for (int q = 0; q < 4; q++) {
+                        const __m256 wq = _mm256_mul_ps(w[q], s);
+                        for (int t = 0; t < T; t++)
+                            acc[r][t] = _mm256_fmadd_ps(wq, _mm256_loadu_ps(xb + t * k + 8 * q), acc[r][t]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = vsum(acc[r][t]);
+}
+#endif
+
+#if WIDTH > 1
 #define TILE(j, k, fp4, r, t, R, T) ((fp4) ? tile_fp4(j, k, r, t, R, T) : tile(j, k, 0, r, t, R, T))
 #else
 #define TILE(j, k, fp4, r, t, R, T) tile(j, k, fp4, r, t, R, T)
@@ -325,7 +401,8 @@ static inline float e4m3_round(float v) {
 
 /* x [m, k] bf16 bits -> out [m, kx] fp32: per 32, s = ceil_pow2(max(amax, fl32(1e-4)) * fl32(1/448)),
    e4m3(clamp(x / s, +-448)) * s, the numbers of reference.act_quant and fast.quant_act. order: 0 as is,
-   1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after). */
+   1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after),
+   3 each 32 as [4, 2, 4] (element 16h + 4d + 2i + l at 8 (2h + i) + 4l + d: AVX2's tile_fp4). */
 void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t kx, int order) {
     const float c448 = 1.0f / 448.0f, floor_amax = 1e-4f;
     for (int64_t i = 0; i < m; i++) {
@@ -352,6 +429,8 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
                     pos = b0 + (e & 1) * 16 + e / 2;
                 else if (order == 2)
                     pos = (col / 128) * 128 + (col % 8) * 16 + (col % 128) / 8;
+                else if (order == 3)
+                    pos = b0 + 8 * (2 * (e / 16) + (e / 2) % 2) + 4 * (e % 2) + (e % 16) / 4;
                 o[pos] = e4m3_round(v) * sc;
             }
         }

@@ -12,12 +12,14 @@ Two implementations of the same function:
     native  host_experts.c, built here with the C compiler (gcc -O3 -shared -fPIC, cached under the user's
             cache directory, keyed by a hash of the source, the compiler and its flags) and called through
             ctypes: act_quant in C (the same bits, written in the order the weights unpack in), the weights
-            decoded in registers, the 16-entry E2M1 table looked up with vpermps, the block's power of two
-            applied by a multiply, fp32 FMAs; weight rows in chunks over torch.get_num_threads() threads.
-            Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
+            decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps; avx2: each code's
+            two bf16 bytes looked up with vpshufb), the block's power of two applied by a multiply (for one
+            token, to the block's sum), fp32 FMAs; weight rows in chunks over torch.get_num_threads()
+            threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
-auto. When the kernel cannot be built (no compiler: $CC, else cc or gcc), one line on stderr says so, once
-per process (and variant asked for), and the torch path runs.
+auto. A native variant beyond what the CPU runs (torch's view of it, as auto's) is refused in one line (a
+ValueError) rather than dying of SIGILL. When the kernel cannot be built (no compiler: $CC, else cc or gcc),
+one line on stderr says so, once per process (and variant asked for), and the torch path runs.
 
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
 Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
@@ -26,6 +28,11 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 51 GB/s; 4.0 ms per layer), 13-14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
+(The avx2 figure there is the earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
+idle, read bandwidth 29-37 GB/s), avx2: decode 11.3-11.7 GB/s (31-39 %; 9.9-10.9 ms per layer; the earlier
+decode 6.8-7.1 GB/s, 21-23 %), bound by instructions (one thread: 6.3-6.6 GB/s from DRAM or L3 alike);
+prefill 133-142 tokens/s (28-30 GMAC/s; earlier 107-115); scalar 1.0 GB/s, 9.5 tokens/s.
+docs/benchmarks.md section 6 has the details.
 """
 import ctypes
 import functools
@@ -76,6 +83,10 @@ def resolve(variant: Optional[str] = None) -> str:
         return v
     if v not in VARIANTS:
         raise ValueError(f"host experts: unknown variant {v!r} (auto, torch, {', '.join(VARIANTS)})")
+    runs = VARIANTS[VARIANTS.index(auto_variant()):]
+    if v not in runs:                                               # its instructions would kill us (SIGILL)
+        raise ValueError(f"host experts: variant {v!r} needs a CPU with {v.upper()}; this one has "
+                         f"{torch.backends.cpu.get_cpu_capability()} (use {', '.join(runs)} or torch)")
     return v if _library(v, _compiler(), _cache_dir()) is not None else "torch"
 
 
@@ -194,8 +205,10 @@ def linear_torch(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
 def _order(kind: str, variant: str) -> int:
     """The kernel's activation order: 0 as is (fp8), 1 each 32 as its even then odd elements (fp4: the low
     and high nibbles of the block's 16 bytes), 2 each 128 as [8, 16] (fp4 on avx512: element 8 d + q at
-    16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128."""
-    return 0 if kind == "fp8" else 2 if variant == "avx512" else 1
+    16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128, 3 each 32 as
+    [4, 2, 4] (fp4 on avx2: element 16 h + 4 d + 2 i + l at 8 (2 h + i) + 4 l + d, lane 4 l + d of vector
+    2 h + i, l the nibble)."""
+    return 0 if kind == "fp8" else {"avx512": 2, "avx2": 3}.get(variant, 1)
 
 
 def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
@@ -208,6 +221,8 @@ def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
         a = a.view(m, -1, 16, 8).transpose(-1, -2)                  # [M, Kx/128, 8, 16]
     elif order == 1:
         a = a.view(m, -1, BLOCK // 2, 2).transpose(-1, -2)          # [M, K/32, 2, 16]
+    elif order == 3:
+        a = a.view(m, -1, 2, 4, 2, 2).permute(0, 1, 2, 4, 5, 3)     # [M, K/32, h, i, l, d]
     return a.contiguous().view(m, -1)
 
 
