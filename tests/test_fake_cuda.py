@@ -445,3 +445,33 @@ def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatc
         gpu_check._bench_model(model, "torch", gpu_check.Clock(600), steps=2, shapes=((1, 16), (2, 8)))
         ctx = OnFakeCuda({}, FIXTURE, str(tmp_path), gpu_check.Clock(600), rehearse=True)
         gpu_check.phase_cudagraph(ctx)
+
+
+HOST_EXPERTS = {("copy to the host", "inference/moe.py:apply")}
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
+    """--experts-on host on a GPU: the routed experts' tensors on the CPU, everything else on `cuda`; no
+    device mismatch, and a decode step's only syncs are the routing's trip to the host (one per MoE layer). The
+    host kernel's torch path runs on the fake CPU tensors (the native one reads real memory); the routing's
+    counts, read on the host, are stood in for. Both routes: the kernel, and the active experts copied
+    over."""
+    from inference import moe
+    monkeypatch.setenv("DSV4_HOST_EXPERTS", "torch")
+    # the routing read on the host (fake values): every selection on the first expert, so the kernel runs
+    monkeypatch.setattr(moe, "active_counts", lambda idx, n: [idx.numel()] + [0] * (n - 1))
+    monkeypatch.setattr(moe, "prefers_copy", lambda *a: copy)
+    with fake_cuda(monkeypatch) as rec:
+        model = build(fixture_shaped(), tokenizers["fixture"], experts_on="host")
+        routed = {id(p) for n, p in model.named_parameters() if ".experts." in n}
+        assert routed and all(p.device.type == ("cpu" if id(p) in routed else "cuda")
+                              for p in model.parameters())
+        rec.syncs.clear()
+        ids = torch.randint(4, 1000, (2, 30), device="cuda")
+        rec.phase = "prefill"
+        model(ids[:, :24], 0)
+        rec.phase = "decode"
+        model(ids[:, 24:25], 24)
+    print(json.dumps({k: sorted(v) for k, v in rec.syncs.items()}, indent=1))
+    assert rec.syncs["decode"] == HOST_EXPERTS and rec.syncs["prefill"] == HOST_EXPERTS
