@@ -160,3 +160,20 @@ def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_to_reference(load_file(str(outs[1]))["logits"], ref["step_logits"], 0.25, 0.03)
     assert_close_to_reference(load_file(str(outs[2]))["logits"], ref["step_logits"], 0.35, 0.05)
+
+
+def test_the_loader_reads_cpu_parameters_straight_from_the_file(monkeypatch):
+    """load_checkpoint reads a CPU parameter's bytes from the file into it (no mapped pages kept beside the
+    copy: the experts of a CPU run are most of the shard): the same bits as the safetensors path, for all but
+    the widened tensors."""
+    from inference.engine import checkpoint
+    direct = []
+    read_into = checkpoint.read_into
+    monkeypatch.setattr(checkpoint, "read_into", lambda *a: direct.append(read_into(*a)) or direct[-1])
+    ours = dict(fixture_model().named_parameters())
+    monkeypatch.setattr(checkpoint, "read_into", lambda *a: False)
+    theirs = dict(fixture_model().named_parameters())
+    assert sum(direct) > 0.9 * len(direct) and ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        q = theirs[name]
+        assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8), q.view(torch.uint8)), name

@@ -183,6 +183,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
     try:
         infos, _ = read_header(path)
         f = safe_open(path, framework="pt", device="cpu")
+        raw = open(path, "rb", buffering=0)
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
         raise CheckpointError(f"cannot read {path}: {e}") from None
     keys = set(f.keys())
@@ -212,6 +213,10 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
         if name in mapped:
             continue
         p = params[name]
+        if read_into(raw, infos[name], p):           # a CPU parameter of the stored dtype: no second copy
+            if bar is not None:
+                bar.update(infos[name].nbytes)
+            continue
         t = f.get_tensor(name)
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{path}: tensor {name} has shape {list(t.shape)}, expected {list(p.shape)}"
@@ -227,9 +232,38 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str, rank: int = 0, world_
         del t
         if bar is not None:
             bar.update(infos[name].nbytes)
+    raw.close()
     if bar is not None:
         bar.close()
     drop_derived(model)                     # layouts made from the old weights
+
+
+# safetensors dtype names -> torch dtypes a CPU parameter can take byte for byte
+_STORED = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+           "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2, "I8": torch.int8,
+           "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32}
+
+
+def read_into(raw, info, p: torch.Tensor) -> bool:
+    """Read a tensor's bytes from the open file straight into CPU parameter p when p has its shape, dtype and a
+    contiguous layout (True); otherwise leave it to the safetensors path (False). Reading through the
+    memory-mapped file instead would keep the file's pages mapped next to the copy: twice the shard in the
+    process's resident memory while it loads (the routed experts of a CPU run are most of it)."""
+    shape = tuple(info.shape)
+    if info.dtype == "F4":                   # the header counts E2M1 elements; torch's dtype holds two a byte
+        shape = shape[:-1] + (shape[-1] // 2,) if shape else shape
+    if (p.device.type != "cpu" or not p.is_contiguous() or _STORED.get(info.dtype) != p.dtype
+            or shape != tuple(p.shape) or p.nbytes != info.nbytes):
+        return False
+    view = memoryview(p.detach().view(-1).view(torch.uint8).numpy())
+    raw.seek(info.offset)
+    got = 0
+    while got < info.nbytes:
+        n = raw.readinto(view[got:])
+        if not n:
+            raise CheckpointError(f"{raw.name}: truncated in tensor data at byte {info.offset + got}")
+        got += n
+    return True
 
 
 _MAPPABLE = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
