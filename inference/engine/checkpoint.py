@@ -245,8 +245,8 @@ _STORED = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8
 
 
 def read_into(raw, info, p: torch.Tensor) -> bool:
-    """Read a tensor's bytes from the open file straight into CPU parameter p when p has its shape, dtype and a
-    contiguous layout (True); otherwise leave it to the safetensors path (False). Reading through the
+    """Read a tensor's bytes from the open file straight into CPU parameter p when p has its shape, dtype and
+    a contiguous layout (True); otherwise leave it to the safetensors path (False). Reading through the
     memory-mapped file instead would keep the file's pages mapped next to the copy: twice the shard in the
     process's resident memory while it loads (the routed experts of a CPU run are most of it)."""
     shape = tuple(info.shape)
