@@ -454,9 +454,9 @@ HOST_EXPERTS = {("copy to the host", "inference/moe.py:apply")}
 def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
     """--experts-on host on a GPU: the routed experts' tensors on the CPU, everything else on `cuda`; no
     device mismatch, and a decode step's only syncs are the routing's trip to the host (one per MoE layer).
-    The host kernel's torch path runs on the fake CPU tensors (the native one reads real memory); the routing's
-    counts, read on the host, are stood in for. Both routes: the kernel, and the active experts copied
-    over."""
+    The host kernel's torch path runs on the fake CPU tensors (the native one reads real memory); the
+    routing's counts, read on the host, are stood in for. Both routes: the kernel, and the active experts
+    copied over."""
     from inference import moe
     monkeypatch.setenv("DSV4_HOST_EXPERTS", "torch")
     # the routing read on the host (fake values): every selection on the first expert, so the kernel runs
