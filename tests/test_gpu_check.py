@@ -70,6 +70,8 @@ def test_rehearsal_walks_every_phase_on_cpu():
     assert "fixture, tilelang vs reference logits: ok" in out
     assert re.search(r"bench torch +batch  2: prefill 16 tokens", out)
     assert "tp, W = 2 vs W = 1 (torch kernels, gloo): ok" in out
+    assert "experts on the host vs reference logits: ok" in out
+    assert "experts on the host vs on the device: ok" in out
 
 
 def test_rehearsal_fails_when_a_phase_setup_raises(monkeypatch, capsys):

@@ -23,12 +23,16 @@ the rest of its work with a note:
   cudagraph  --cuda-graph: greedy decode steps of the fixture's model replayed from CUDA graphs against the
            same steps run eagerly, at batch 1 and 4 across a length bucket and both parities: logits bit for
            bit; ms/step both ways. Not yet run on a GPU.
+  hostexperts  --experts-on host: the fixture scored on CUDA with its routed experts in host memory, computed
+           by the host-expert kernel (one round trip per MoE layer), against the reference logits and against
+           the all-GPU torch route (the fast order's floor: the parity tool's default tolerances); seconds per
+           run both ways. Not yet run on a GPU.
 Without CUDA it prints one line and exits 2. Exit status 1 when any check that ran failed, else 0.
 
 Time budget on one H200 (seconds). The whole check, compilation included, stays within 8 minutes (480 s):
 
   phase       budget  where the time goes
-  kernels       140   compiling the 29 kernels at the released shapes (17.8 s on the H200's host, 70 s on 2
+  kernels       110   compiling the 29 kernels at the released shapes (17.8 s on the H200's host, 70 s on 2
                       CPU cores), then 21 cases of well under a second each (35 s in all on one H200); a
                       failing GEMM rebuilt plain (every kernel plain: 41 s)
   fixture       110   compiling the fixture's kernels, then generate.py twice (a 301-token prefill and 20
@@ -39,6 +43,8 @@ Time budget on one H200 (seconds). The whole check, compilation included, stays 
                       each scored, one comparison
   cudagraph      40   the fixture's model built and loaded, then per batch (1, 4) a prefill and 60 decode
                       steps eager, and again replayed from CUDA graphs (a capture per bucket and parity)
+  hostexperts    30   generate.py twice on the fixture (torch kernels, experts on the device, then on the
+                      host; the host kernel built once, under a second), two comparisons
   start-up       10   Python, torch and CUDA initialisation, the summary
   total         480
 --budget defaults to the sum of the phases' budgets (470 s); it caps the whole run, and
@@ -866,6 +872,32 @@ def phase_cudagraph(ctx: Ctx) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Phase: the routed experts in host memory beside the GPU
+
+def phase_host_experts(ctx: Ctx) -> bool:
+    fix, clock, tmp = ctx.fixture, ctx.clock, ctx.tmp
+    ref = os.path.join(fix, "reference_logits.safetensors")
+    if not os.path.isfile(ref):
+        note(f"hostexperts: skipped, no reference_logits.safetensors in {fix} (give --fixture DIR)")
+        return True
+    dumps, ok_all = {}, True
+    for where in ("device", "host"):
+        dumps[where] = os.path.join(tmp, f"experts-on-{where}.safetensors")
+        flags = ctx.backend_flags("torch") + ["--experts-on", where]
+        t0 = time.perf_counter()
+        ok, out = _score(fix, os.path.join(fix, "config.json"), ctx.score_file(), dumps[where], flags, clock,
+                         device=ctx.device)
+        took = f"{time.perf_counter() - t0:.1f} s, process start included"
+        note(f"fixture scored with {' '.join(flags)}: {'ok' if ok else 'FAIL'} ({took})"
+             + ("" if ok else "\n" + _tail(out)))
+        ok_all &= ok
+    if ok_all:
+        ok_all &= _compare(dumps["host"], ref, clock, "experts on the host vs reference logits")
+        ok_all &= _compare(dumps["host"], dumps["device"], clock, "experts on the host vs on the device")
+    return ok_all
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The phases
 
 @dataclasses.dataclass(frozen=True)
@@ -881,7 +913,7 @@ class Phase:
 
 
 PHASES = (
-    Phase("kernels", 140, phase_kernels, rehearse_kernels,
+    Phase("kernels", 110, phase_kernels, rehearse_kernels,
           "every TileLang kernel against its torch reference at the released shapes (bytes, tolerances, "
           "top-k overlap)"),
     Phase("fixture", 110, phase_fixture, phase_fixture,
@@ -895,6 +927,8 @@ PHASES = (
     Phase("cudagraph", 40, phase_cudagraph, phase_cudagraph,
           "decode logits replayed from CUDA graphs equal the eager ones bit for bit (fixture, batch 1 and "
           "4); ms/step both ways"),
+    Phase("hostexperts", 30, phase_host_experts, phase_host_experts,
+          "the fixture scored with --experts-on host against the reference logits and the all-GPU route"),
 )
 
 
