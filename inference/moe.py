@@ -105,16 +105,24 @@ def local_selections(moe: "MoE", idx: torch.Tensor):
     return active, rows, [counts[e] for e in active]
 
 
-def looped_experts(moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Each active local expert on its own tokens (the weights as held: no copy per call), one GEMM per
-    projection. x [N, D], weights and idx [N, k] -> [N, k, D] in x's dtype, zero for other ranks' experts."""
+def looped_experts(moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, selections=None,
+                   held=None) -> torch.Tensor:
+    """Each active local expert on its own tokens, one GEMM per projection: with the weights as held (no
+    copy per call), or with held(e, projection) -> Held (a copy made for the call). `selections`:
+    local_selections' answer when already read. x [N, D], weights and idx [N, k] -> [N, k, D] in x's dtype,
+    zero for other ranks' experts."""
     n, k = idx.shape
     out = x.new_zeros(n, k, x.shape[-1])
-    active, rows, sizes = local_selections(moe, idx)
+    active, rows, sizes = selections or local_selections(moe, idx)
     if not active:
         return out
+    rows = rows.to(x.device)
     parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
-    outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]             # [n_e, D] each
+    if held is None:
+        outs = [moe.experts[e](xe, we.unsqueeze(-1)) for e, xe, we in parts]         # [n_e, D] each
+    else:
+        outs = [moe.experts[e].apply_held(xe, we.unsqueeze(-1), held(e, "w1"), held(e, "w3"), held(e, "w2"))
+                for e, xe, we in parts]
     out.view(n * k, -1)[rows] = torch.cat(outs)
     return out
 
@@ -154,8 +162,9 @@ class HostExperts:
     bytes (kernels/host_experts.py: the reference's products, summed in its own order), the SwiGLU and the
     routing weight between its two calls. On a GPU the inputs cross to the host and the outputs come back:
     one round trip per MoE layer and call. A GPU call with many tokens copies the active experts' bytes to
-    the device instead and runs them there (with the device's numerics, as if they lived there), when
-    moving the bytes is estimated to take less time than the kernel (prefers_copy)."""
+    the device instead, one at a time for this call only, and runs them there (looped_experts: the device's
+    numerics, as if they lived there), when moving the bytes is estimated to take less time than the kernel
+    (prefers_copy)."""
 
     def apply(self, moe: "MoE", x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
               decode: bool) -> torch.Tensor:
@@ -163,7 +172,10 @@ class HostExperts:
         n, k = idx.shape
         active, rows, sizes = local_selections(moe, idx.cpu())         # the host reads the routing: a sync
         if x.device.type != "cpu" and prefers_copy(moe, active, len(rows)):
-            return self.copied(moe, x, weights, idx, active, rows.to(x.device), sizes)
+            def held(e: int, p: str) -> Held:         # local expert e's projection p, copied for this call
+                w, s = (None if t is None else t[e - moe.start].to(x.device) for t in moe.stacked[p])
+                return Held(w, s, moe.experts[e].w1.kind, Derived(keep=False))
+            return looped_experts(moe, x, weights, idx, (active, rows, sizes), held)
         out = torch.zeros(n, k, x.shape[-1], dtype=x.dtype)           # [N, k, D] on the host
         if active:
             first = next(e for e in moe.experts if e is not None)
@@ -174,24 +186,6 @@ class HostExperts:
             out.view(n * k, -1)[rows] = host_experts.expert_swiglu(xs, sizes, local, ws, *projections,
                                                                    first.w1.kind, first.swiglu)
         return out.to(x.device)
-
-    @staticmethod
-    def copied(moe: "MoE", x, weights, idx, active, rows, sizes) -> torch.Tensor:
-        """Each active expert's bytes copied to x's device for this call only (nothing kept), applied there
-        on its tokens with the device's numerics: looped_experts' numbers."""
-        n, k = idx.shape
-        out = x.new_zeros(n, k, x.shape[-1])
-
-        def held(e: int, p: str) -> Held:             # local expert e's projection p, copied over
-            w, s = (None if t is None else t[e - moe.start].to(x.device) for t in moe.stacked[p])
-            return Held(w, s, moe.experts[e].w1.kind, Derived(keep=False))
-
-        parts = zip(active, x[rows // k].split(sizes), weights.flatten()[rows].split(sizes))
-        outs = [moe.experts[e].apply_held(xe, we.unsqueeze(-1), held(e, "w1"), held(e, "w3"), held(e, "w2"))
-                for e, xe, we in parts]                                # [n_e, D] each
-        if outs:
-            out.view(n * k, -1)[rows] = torch.cat(outs)
-        return out
 
 
 # The estimate behind HostExperts' choice for a GPU call: the kernel's rate per host thread (a prefill of

@@ -42,7 +42,8 @@ fused kernels (--numerics fast, tilelang) need less; the estimate does not model
 With --experts-on host (RuntimeOptions.experts_on) every routed expert of the rank, the main layers' and the
 DSpark head's (one MoE class holds both), stays in host memory at its stored bytes (FP4 codes + UE8M0 scales,
 or FP8 + scales: the shard's bytes, no dequantised copy) and is computed there by the host-expert kernel;
-the GPU holds the rest. Prefill stays on the host too (no copy of a layer's experts to the GPU), so the GPU
+the GPU holds the rest. A long GPU call may copy its active experts over one at a time instead (moe.py
+prefers_copy: one expert's bytes and its bf16 form, 87 MB at the released widths, left to MARGIN), so the GPU
 workspace is the one above; what crosses per call, the tokens' [n, D] bf16 hidden rows each way, is left to
 MARGIN. The host adds a workspace: per call of n tokens (all rows) n * top-k * (2 * moe_inter_dim + dim) * 4
 bytes (every row's fp32 gate and up and its output; a bound for one rank, all k experts of a token being its
