@@ -228,6 +228,9 @@ class MoE(nn.Module):
         # expert's tensors: they keep their own.)
         self.stacked = (None if ctx.streamed else stacked_experts(a.dim, a.moe_inter_dim, expert_kind,
                                                                   self.n_local, ctx.experts_device))
+        if ctx.opts.experts_on == "host" and self.stacked is not None:
+            for w, _ in self.stacked.values():                     # streamed from host memory every step
+                host_experts.advise_huge_pages(w)
         self.experts = nn.ModuleList([
             Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts,
                    self.row(i - self.start))

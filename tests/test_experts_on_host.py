@@ -98,6 +98,38 @@ def test_no_dequantised_copy_is_kept(host_model):
     assert sum(len(m.derived) for m in host_model.modules() if hasattr(m, "derived")) > 0
 
 
+def mapping_flags(address: int) -> str:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only (madvise, /proc)")
+def test_the_experts_memory_asks_for_huge_pages(monkeypatch):
+    """A host placement advises each stacked expert weight before it is read (moe.py), and the advice
+    reaches the kernel: the mapping that holds an advised tensor carries the 'hg' flag (MADV_HUGEPAGE)."""
+    from inference.model import Transformer
+    advised = []
+    monkeypatch.setattr(he, "advise_huge_pages", lambda t: advised.append(t.data_ptr()) or True)
+    model = Transformer(ModelArgs.from_file(os.path.join(FIXTURE, "config.json")),
+                        opts=RuntimeOptions.from_profile("fast", experts_on="host"))
+    weights = [w.data_ptr() for moe in model.modules() if isinstance(moe, MoE)
+               for w, _ in moe.stacked.values()]
+    assert weights and sorted(advised) == sorted(weights)
+    monkeypatch.undo()
+    t = torch.empty(8 << 20, dtype=torch.uint8)
+    assert he.advise_huge_pages(t) and " hg" in mapping_flags(t.data_ptr() + (4 << 20))
+    assert not he.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))      # under one huge page
+
+
 def test_the_copy_estimate_of_a_gpu_call():
     """prefers_copy on the released geometry (meta weights): 18.8 MB and 3 x 5120 x 2304 multiply-adds per
     expert; with every expert active the copy wins once the selections' work on the host outweighs the bytes

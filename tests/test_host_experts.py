@@ -80,6 +80,26 @@ def test_kernel_matches_spec_within_the_summation_bound(variant, kind, m, n, k):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("kind,e", [("fp4", e) for e in (0, 1, 2, 64, 127, 200, 250)] +
+                         [("fp8", e) for e in (0, 1, 64, 127, 200)])
+def test_scale_bytes_far_from_one_keep_the_products_exact(variant, kind, e):
+    """Every row at scale byte e, from 2^-127 (byte 0) up to where the weights still fit fp32 (the AVX2
+    kernel looks the scaled weight E2M1 x 2^(e - 127) up in a table per byte: each is a bf16, subnormal at
+    the bottom); activations scaled by 2^(127 - e) within [2^-8, 2^100] (act_quant floors amax at 1e-4), so
+    that every product is a normal number, exact in both."""
+    gen = torch.Generator().manual_seed(e)
+    w, s = stored(kind, 2, 37, 96, gen)
+    s.fill_(e)
+    x = (torch.randn(3, 96, generator=gen) * 2.0 ** max(-8, min(100, 127 - e))).bfloat16()
+    counts, experts = [2, 1], [1, 0]
+    spec = he.linear_torch(x, counts, experts, w, s, kind)
+    got = he.expert_linears_fp32(x, counts, experts, [(w, s)], kind, variant)[0]
+    assert torch.isfinite(spec).all() and (spec != 0).any()
+    bound = 2 * 95 * U / (1 - 95 * U) * abs_products(x, counts, experts, w, s, kind)
+    assert ((got.double() - spec.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("variant", NATIVE)
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
 @pytest.mark.parametrize("k", [32, 256])
 def test_exact_sums_are_bit_identical(variant, kind, k):

@@ -244,16 +244,35 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
 #elif WIDTH == 8
 /* AVX2 MXFP4, one block (16 bytes) at a time, no multiply and no permute in the decode: the bytes in both
    128-bit lanes, the high lane shifted right by 4, so that byte j's low nibble is element 2j's code (low
-   lane) or element 2j + 1's (high lane). Every E2M1 value is a bf16 (<= 2 significant bits): vpshufb looks
-   up each code's high and low bf16 byte in two 16-entry tables (sign included), vpunpck{l,h}bw pairs them
-   into words, and a bf16 word w is the fp32 w << 16: the even words shifted up, the odd ones masked in
-   place: 11 vector instructions for the block's 4 vectors (with vpermps, the sign xor and the scale
-   multiply: 22). Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come
-   in that order (host_experts.py, order 3). */
+   lane) or element 2j + 1's (high lane). Every E2M1 value times a UE8M0 scale is a bf16 (<= 2 significant
+   bits; bf16 subnormals reach 2^-133, below the smallest, 0.5 x 2^-127): vpshufb looks up each code's high
+   and low bf16 byte in the two 16-entry tables of the block's scale byte (sign included), vpunpck{l,h}bw
+   pairs them into words, and a bf16 word w is the fp32 w << 16: the even words shifted up, the odd ones
+   masked in place. 11 vector instructions give the block's 4 scaled vectors, each product is the
+   reference's (weight times scale, then times the activation: exact), and nothing multiplies by the scale
+   afterwards. Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come in
+   that order (host_experts.py, order 3). Each row and token keeps two sums (vectors 0, 2 and 1, 3): one
+   chain of dependent FMAs per row would wait on the FMA's latency rather than on the weights. */
 
-/* the 4 unscaled vectors of the block at p */
-static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, __m256i tab_hi, __m256i tab_lo,
-                                                             __m256 w[4]) {
+/* SCALED[e][0][c], SCALED[e][1][c]: the high and low byte of the bf16 E2M1[c] x 2^(e - 127) (ue8m0) */
+static uint8_t SCALED[256][2][16];
+static pthread_once_t scaled_once = PTHREAD_ONCE_INIT;
+
+static void make_scaled(void) {
+    for (int e = 0; e < 256; e++)
+        for (int c = 0; c < 16; c++) {
+            float v = E2M1[c] * ue8m0((uint8_t)e);
+            uint32_t b;
+            memcpy(&b, &v, 4); /* the low 16 bits are zero: the product is a bf16 */
+            SCALED[e][0][c] = (uint8_t)(b >> 24);
+            SCALED[e][1][c] = (uint8_t)(b >> 16);
+        }
+}
+
+/* the 4 scaled vectors of the block at p, scale byte e */
+static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, uint8_t e, __m256 w[4]) {
+    const __m256i tab_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)SCALED[e][0]));
+    const __m256i tab_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)SCALED[e][1]));
     __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     c = _mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                          _mm256_set1_epi8(0x0F));
@@ -266,70 +285,35 @@ static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, _
     w[3] = _mm256_castsi256_ps(_mm256_and_si256(b1, odd));
 }
 
-/* the scale bytes of blocks 0 .. nb - 1 (nb <= 8) at s -> 2^(e - 127) each, stored at out */
-static inline void scales8(const uint8_t *s, int nb, float out[8]) {
-    uint64_t b = 0;
-    if (nb == 8)
-        memcpy(&b, s, 8); /* one load (a memcpy of a variable size would be a call) */
-    else
-        for (int i = 0; i < nb; i++) b |= (uint64_t)s[i] << (8 * i);
-    __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)b));
-    /* e << 23 is 2^(e - 127) as fp32 bits; byte 0 gives 0, raised to 2^-127's bits (below every other) */
-    e = _mm256_max_epu32(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000));
-    _mm256_storeu_ps(out, _mm256_castsi256_ps(e));
-}
-
 static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64_t k, int64_t r0,
                                                            int64_t t0, const int R, const int T) {
-    /* E2M1 codes 0..15 as bf16: high bytes, low bytes (in each lane, as vpshufb reads them) */
-    const __m256i tab_hi = _mm256_setr_epi8(
-        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0,
-        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0);
-    const __m256i tab_lo = _mm256_setr_epi8(
-        0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
-        0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0);
     const int64_t kb_n = k / BLK, row_bytes = k / 2;
-    __m256 acc[2 * ROWS][TOKS];
+    const uint8_t *w = j->w + r0 * row_bytes, *s = j->s + r0 * kb_n;
+    const float *x = j->x + t0 * k;
+    __m256 acc[2 * ROWS][TOKS][2];
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < kb_n; g += 8) {
-        const int nb = kb_n - g < 8 ? (int)(kb_n - g) : 8;
-        float sc[2 * ROWS][8] __attribute__((aligned(32))); /* the rows' scales, broadcast from memory */
+        for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < kb_n; kb++) {
+        /* the tile after next, in step, one line (4 blocks, 64 scale bytes) of each row at a time: R streams
+           of k/2 bytes are too short for the hardware prefetchers to find in time (past the end: no fault) */
+        if (kb % 4 == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(w + (2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
+        if (kb % 64 == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
-            scales8(j->s + (r0 + r) * kb_n + g, nb, sc[r]);
-            _mm_prefetch((const char *)(j->s + (r0 + 2 * R + r) * kb_n + g), _MM_HINT_T0);
-        }
-        for (int b = 0; b < nb; b++) {
-            const int64_t kb = g + b;
-            const float *xb = j->x + t0 * k + kb * BLK;
-            /* the tile after next, in step, one line (4 blocks) of each row at a time: R streams of k/2
-               bytes are too short for the hardware prefetchers to find in time (past the end: no fault) */
-            if (b % 4 == 0)
-                for (int r = 0; r < R; r++)
-                    _mm_prefetch((const char *)(j->w + (r0 + 2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
-            for (int r = 0; r < R; r++) {
-                __m256 w[4];
-                e2m1_block(j->w + (r0 + r) * row_bytes + 16 * kb, tab_hi, tab_lo, w);
-                const __m256 s = _mm256_broadcast_ss(&sc[r][b]);
-                if (T == 1) {
-                    /* one token: the block's sum of unscaled products, then times its scale (exact, a
-                       power of two): one multiply per block instead of one per weight vector */
-                    __m256 part = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
-                    for (int q = 1; q < 4; q++)
-                        part = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(xb + 8 * q), part);
-                    acc[r][0] = _mm256_fmadd_ps(part, s, acc[r][0]);
-                } else {
-                    for (int q = 0; q < 4; q++) {
-                        const __m256 wq = _mm256_mul_ps(w[q], s);
-                        for (int t = 0; t < T; t++)
-                            acc[r][t] = _mm256_fmadd_ps(wq, _mm256_loadu_ps(xb + t * k + 8 * q), acc[r][t]);
-                    }
-                }
-            }
+            __m256 wv[4];
+            e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv);
+            for (int t = 0; t < T; t++)
+                for (int q = 0; q < 4; q++)
+                    acc[r][t][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + t * k + kb * BLK + 8 * q),
+                                                       acc[r][t][q % 2]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = vsum(acc[r][t]);
+        for (int t = 0; t < T; t++)
+            j->y[(t0 + t) * j->ldy + r0 + r] = vsum(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 #endif
 
@@ -443,6 +427,9 @@ const char *he_variant(void) { return VARIANT; }
    fmt: 4 (MXFP4) or 8 (FP8). Returns 0, or -1 for a bad argument. */
 int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int fmt, int n_threads) {
     if (k <= 0 || k % BLK || (fmt != 4 && fmt != 8) || n_jobs < 0) return -1;
+#if WIDTH == 8
+    pthread_once(&scaled_once, make_scaled);
+#endif
     job_t js[n_jobs > 0 ? n_jobs : 1];
     first[0] = 0;
     for (int64_t i = 0; i < n_jobs; i++) {

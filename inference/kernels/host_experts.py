@@ -12,10 +12,11 @@ Two implementations of the same function:
     native  host_experts.c, built here with the C compiler (gcc -O3 -shared -fPIC, cached under the user's
             cache directory, keyed by a hash of the source, the compiler and its flags) and called through
             ctypes: act_quant in C (the same bits, written in the order the weights unpack in), the weights
-            decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps; avx2: each code's
-            two bf16 bytes looked up with vpshufb), the block's power of two applied by a multiply (for one
-            token, to the block's sum), fp32 FMAs; weight rows in chunks over torch.get_num_threads()
-            threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU.
+            decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps, the block's power
+            of two applied by a multiply; avx2: each code's two bf16 bytes, scale included, looked up with
+            vpshufb in the tables of the block's scale byte), fp32 FMAs; weight rows in chunks over
+            torch.get_num_threads() threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C);
+            auto picks by the CPU. The model's host experts ask for 2 MB pages (advise_huge_pages).
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
 auto. A native variant beyond what the CPU runs (torch's view of it, as auto's) is refused in one line (a
 ValueError) rather than dying of SIGILL. When the kernel cannot be built (no compiler: $CC, else cc or gcc),
@@ -28,10 +29,11 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 51 GB/s; 4.0 ms per layer), 13-14 GB/s with avx2, 1.7 GB/s scalar. Prefill, 512 tokens over 128 experts
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
-(The avx2 figure there is the earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
-idle, read bandwidth 29-37 GB/s), avx2: decode 11.3-11.7 GB/s (31-39 %; 9.9-10.9 ms per layer; the earlier
-decode 6.8-7.1 GB/s, 21-23 %), bound by instructions (one thread: 6.3-6.6 GB/s from DRAM or L3 alike);
-prefill 133-142 tokens/s (28-30 GMAC/s; earlier 107-115); scalar 1.0 GB/s, 9.5 tokens/s.
+(The avx2 figure there is an earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
+read bandwidth 29-38 GB/s from run to run), avx2 with scaled tables, two sums per row and huge pages: decode
+11.9-14.8 GB/s (32-48 %; median 7.9-10.2 ms per layer; the version before 9.6-11.3 GB/s, 33-40 %), bound by
+the FP pipes its shuffles share with the FMAs (one thread 8.7-9.3 GB/s from DRAM or L2 alike); prefill
+159-170 tokens/s (34-36 GMAC/s; before 132-144); scalar 1.0 GB/s, 9.5 tokens/s.
 docs/benchmarks.md section 6 has the details.
 """
 import ctypes
@@ -200,6 +202,27 @@ def linear_torch(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
             y[start:start + c] = a[start:start + c] @ w.t()
         start += c
     return y
+
+
+MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back t's memory with 2 MB pages (transparent huge pages in their usual 'madvise' mode),
+    before its first touch. A decode step streams each selected expert once (18.8 MB at the released
+    geometry): through 4 KB pages that is a TLB miss every 4 KB, about 8 % of the AVX2 kernel's rate.
+    False where it cannot apply (not Linux, not a CPU tensor, under 2 MB, or the kernel said no)."""
+    libc = _libc()
+    if libc is None or t.device.type != "cpu" or t.nbytes < HUGE_PAGE:
+        return False
+    start = t.data_ptr()
+    lo, hi = -(-start // 4096) * 4096, (start + t.nbytes) // 4096 * 4096      # whole pages inside t
+    return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE) == 0
 
 
 def _order(kind: str, variant: str) -> int:

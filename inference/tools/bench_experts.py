@@ -39,9 +39,13 @@ def read_bandwidth(gib: float = 2.0, repeats: int = 4) -> float:
 def random_experts(n: int, gen: torch.Generator):
     """{projection: (weight [n, out, in/2] uint8, scale [n, out, in/32] uint8)} of n random MXFP4 experts."""
     shapes = {"w1": (INTER, DIM), "w3": (INTER, DIM), "w2": (DIM, INTER)}
-    return {p: (torch.randint(0, 256, (n, o, i // 2), dtype=torch.uint8, generator=gen),
-                torch.randint(118, 126, (n, o, i // 32), dtype=torch.uint8, generator=gen))
-            for p, (o, i) in shapes.items()}
+    out = {}
+    for p, (o, i) in shapes.items():
+        w = torch.empty(n, o, i // 2, dtype=torch.uint8)
+        he.advise_huge_pages(w)                                  # as the model's host experts (moe.py)
+        out[p] = (torch.randint(0, 256, w.shape, dtype=torch.uint8, generator=gen, out=w),
+                  torch.randint(118, 126, (n, o, i // 32), dtype=torch.uint8, generator=gen))
+    return out
 
 
 def expert_bytes(experts) -> int:
