@@ -1,5 +1,9 @@
+import json
 import os
+import shutil
 import sys
+
+import pytest
 
 # Conformance runs under the CPU code paths the reference-tiny fixture was produced with: MKL's
 # conditional-bitwise-reproducible (SSE4.2) kernels, whose fp32 exp differs from the AVX-512 one in the last
@@ -20,6 +24,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 FIXTURE = os.path.join(FIXTURES, "reference-tiny")           # DeepSeek's own code on a tiny checkpoint
 FIXTURE_CPU2 = os.path.join(FIXTURES, "reference-tiny-cpu2")  # the same run on a second CPU
 ENCODING_FIXTURES = os.path.join(FIXTURES, "encoding")
+TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 def fixture_file(path: str) -> str:
@@ -59,6 +64,30 @@ def fixture_model(opts=None, **overrides):
     model = Transformer(args, opts=opts, tokenizer=load_tokenizer(FIXTURE))
     load_checkpoint(model, FIXTURE)
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_mp4(tmp_path_factory):
+    """A tiny random-weight model converted at MP 4: the fixture's config with o_groups = 4 (its own 2 admits
+    W = 1 and 2 only). {"ckpt": the shards' directory, "config": its config.json}."""
+    import convert
+    from inference.config import ModelArgs
+    from inference.tools.synthetic import write_synthetic_checkpoint
+    root = tmp_path_factory.mktemp("tiny_mp4")
+    with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
+        config = json.load(f)
+    for runtime_key in ("max_batch_size", "temperature"):
+        config.pop(runtime_key, None)
+    config["o_groups"] = 4
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    tok = root / "tok"
+    tok.mkdir()
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
+    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=3, shards=1,
+                               tokenizer_dir=str(tok))
+    convert.convert(str(root / "hf"), str(root / "mp4"), 4, workers=1, progress=False, log=lambda *_: None)
+    return {"ckpt": str(root / "mp4"), "config": str(root / "config.json")}
 
 
 def fixture_tensors(name: str):

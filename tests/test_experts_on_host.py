@@ -3,6 +3,7 @@ precision and computed there by the host-expert kernel. Against the reference's 
 (inside the fast order's floor), against the expert loop they replace (the torch path: the same matmuls, bit
 for bit; the native kernels: the same products, within the summation bound), with no dequantised copy kept,
 at W = 1 and 2 through the CLI, and the placements that exclude it refused in one line."""
+import json
 import os
 import shutil
 
@@ -192,6 +193,29 @@ def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_to_reference(load_file(str(outs[1]))["logits"], ref["step_logits"], 0.25, 0.03)
     assert_close_to_reference(load_file(str(outs[2]))["logits"], ref["step_logits"], 0.35, 0.05)
+
+
+def test_four_ranks_with_engram_off_the_device_and_chunked_prefill(tiny_mp4, tmp_path, monkeypatch):
+    """W = 4 (a random model converted at MP 4), the Engram tables on the host or on disk, the prefill in
+    chunks of 7: with the kernel's torch path the host placement gives the device placement's logits bit for
+    bit (the same matmuls); with the native kernel, inside the fast order's floor."""
+    with open(os.path.join(FIXTURE, "score.json")) as f:
+        tokens = json.load(f)["sequences"][0][:48]
+    (tmp_path / "score.json").write_text(json.dumps({"sequences": [tokens], "prefill_len": 40}))
+    base = ["--ckpt-path", tiny_mp4["ckpt"], "--config", tiny_mp4["config"], "--device", "cpu", "--numerics",
+            "fast", "--score", str(tmp_path / "score.json"), "--prefill-chunk", "7"]
+
+    def logits(name, *extra, kernel="auto"):
+        monkeypatch.setenv(he.ENV, kernel)                          # the ranks fork with this environment
+        proc = run_cli(base + ["--dump-logits", str(tmp_path / name), *extra], nproc=4)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return load_file(str(tmp_path / name))["logits"]
+
+    device = logits("device.safetensors", "--experts-on", "device", "--engram-on", "host")
+    torch_path = logits("torch.safetensors", "--experts-on", "host", "--engram-on", "host", kernel="torch")
+    native = logits("native.safetensors", "--experts-on", "host", "--engram-on", "disk")
+    assert device.shape[0] == 9 and torch.equal(torch_path, device)
+    assert_close_to_reference(native, device, 0.25, 0.03)
 
 
 def test_the_loader_reads_cpu_parameters_straight_from_the_file(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, fixture_file
+from conftest import FIXTURE, ROOT, TOKENIZER_CONFIG, fixture_file
 import convert
 import ranks
 
@@ -23,7 +23,6 @@ from encoding.tokenizer import load_tokenizer
 
 GENERATE = os.path.join(ROOT, "generate.py")
 TIMEOUT = 180   # seconds per subprocess: an error that hangs a rank fails the test instead of the suite
-TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 # ---------------------------------------------------------------------------------------------------------

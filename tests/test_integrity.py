@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FIXTURE, ROOT
+from conftest import FIXTURE, ROOT, TOKENIZER_CONFIG
 
 import convert
 import generate
@@ -21,7 +21,6 @@ from inference.safetensors_io import CopyRange, SafetensorsError, StreamWriter, 
 from inference.tools.synthetic import write_synthetic_checkpoint
 from test_convert import SMALL
 
-TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 def quiet(*_):

@@ -2,19 +2,15 @@
 "nodes" of two ranks on this machine (MP 4, gloo over loopback: ALLOW_LOOPBACK=1, GLOO_SOCKET_IFNAME=lo),
 against one node of four; a node or a rank that never joins stops with one line within a bounded time; the
 process-group timeout reaches the group. Whatever a test starts is killed in the end, also on a timeout."""
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import List
 
-import pytest
-
-from conftest import FIXTURE, ROOT, fixture_file, free_port
+from conftest import ROOT, free_port
 import ranks
 
 RUN_SH = os.path.join(ROOT, "run.sh")
@@ -22,7 +18,6 @@ GENERATE = os.path.join(ROOT, "generate.py")
 TIMEOUT = 240       # seconds for the launches of one test together: a hang fails the test, never the suite
 LAUNCH_ENV = ("MP", "NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CKPT", "CONFIG", "JOIN_TIMEOUT",
               "ALLOW_LOOPBACK", "DRY_RUN", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
-TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 def readme_example():
@@ -34,30 +29,6 @@ def readme_example():
         if "NODES" in env:
             return env, m.group(2).split()
     raise AssertionError("README.md has no `... NODES=... bash run.sh generate ...` example")
-
-
-@pytest.fixture(scope="module")
-def tiny_mp4(tmp_path_factory):
-    """A tiny random-weight model converted at MP 4: the fixture's config with o_groups = 4 (its own 2 admits
-    W = 1 and 2 only)."""
-    import convert
-    from inference.config import ModelArgs
-    from inference.tools.synthetic import write_synthetic_checkpoint
-    root = tmp_path_factory.mktemp("tiny_mp4")
-    with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
-        config = json.load(f)
-    for runtime_key in ("max_batch_size", "temperature"):
-        config.pop(runtime_key, None)
-    config["o_groups"] = 4
-    (root / "config.json").write_text(json.dumps(config, indent=1))
-    tok = root / "tok"
-    tok.mkdir()
-    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
-    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=3, shards=1,
-                               tokenizer_dir=str(tok))
-    convert.convert(str(root / "hf"), str(root / "mp4"), 4, workers=1, progress=False, log=lambda *_: None)
-    return {"ckpt": str(root / "mp4"), "config": str(root / "config.json")}
 
 
 def start(cmd: List[str], env: dict, stdin: str = "") -> subprocess.Popen:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, fixture_model, fixture_tensors, free_port, fixture_file
+from conftest import FIXTURE, ROOT, TOKENIZER_CONFIG, fixture_model, fixture_tensors, free_port, fixture_file
 import ranks
 
 import generate
@@ -42,7 +42,6 @@ SHORTER = 26         # the greedy budget of the MP 2 and invariant runs at batch
                      # position 48 (the window's wraps at 32 and 48 and the binding top-k crossed), the
                      # shorter one teacher-forced for 6 steps first
 CLI_TIMEOUT = 240
-TOKENIZER_CONFIG = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 @pytest.fixture(scope="module", autouse=True)
