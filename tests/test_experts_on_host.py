@@ -2,7 +2,8 @@
 precision and computed there by the host-expert kernel. Against the reference's logits on the fixture
 (inside the fast order's floor), against the expert loop they replace (the torch path: the same matmuls, bit
 for bit; the native kernels: the same products, within the summation bound), with no dequantised copy kept,
-at W = 1 and 2 through the CLI, and the placements that exclude it refused in one line."""
+at W = 1 and 2 through the CLI, at W = 4 with the Engram tables off the device and a chunked prefill, with
+experts converted to FP8, on 2 MB pages, and the placements that exclude it refused in one line."""
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, fixture_file, fixture_model, fixture_tensors
+from conftest import FIXTURE, TOKENIZER_CONFIG, fixture_file, fixture_model, fixture_tensors
 from test_generate import assert_close_to_reference, run_cli
 
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
@@ -216,6 +217,59 @@ def test_four_ranks_with_engram_off_the_device_and_chunked_prefill(tiny_mp4, tmp
     native = logits("native.safetensors", "--experts-on", "host", "--engram-on", "disk")
     assert device.shape[0] == 9 and torch.equal(torch_path, device)
     assert_close_to_reference(native, device, 0.25, 0.03)
+
+
+@pytest.fixture(scope="module")
+def fp8_experts(tmp_path_factory):
+    """A tiny random model whose routed experts convert.py wrote as FP8 (--expert-dtype fp8) at MP 1."""
+    import convert
+    from inference.tools.synthetic import write_synthetic_checkpoint
+    root = tmp_path_factory.mktemp("fp8_experts")
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k not in ("max_batch_size", "temperature")}
+    tok = root / "tok"
+    tok.mkdir()
+    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
+    (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
+    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=5, shards=1,
+                               tokenizer_dir=str(tok))
+    convert.convert(str(root / "hf"), str(root / "mp1"), 1, expert_dtype="fp8", workers=1, progress=False,
+                    log=lambda *_: None)
+    (root / "config.json").write_text(json.dumps(dict(config, expert_dtype=None)))  # as convert.py says
+    return {"ckpt": str(root / "mp1"), "config": str(root / "config.json")}
+
+
+def test_fp8_experts_stay_fp8_on_the_host_and_score_as_on_the_device(fp8_experts, tmp_path, monkeypatch):
+    """Experts converted to FP8: kept as E4M3 bytes with their block scales in host memory, nothing derived
+    after a forward; through the CLI, the kernel's torch path gives the device placement's logits bit for
+    bit, the native kernel (its FP8 decode) inside the fast order's floor."""
+    from encoding.tokenizer import load_tokenizer
+    from inference.engine.checkpoint import load_checkpoint
+    from inference.model import Transformer
+    model = Transformer(ModelArgs.from_file(fp8_experts["config"]),
+                        opts=RuntimeOptions.from_profile("fast", experts_on="host"),
+                        tokenizer=load_tokenizer(fp8_experts["ckpt"]))
+    load_checkpoint(model, fp8_experts["ckpt"])
+    model(torch.tensor([[0, 5, 9, 14]]), 0)
+    moe = first_moe(model)
+    assert all(w.device.type == "cpu" and w.dtype == torch.float8_e4m3fn for w, _ in moe.stacked.values())
+    assert all(len(lin.derived) == 0 for e in moe.experts if e is not None for lin in (e.w1, e.w2, e.w3))
+
+    with open(os.path.join(FIXTURE, "score.json")) as f:
+        tokens = json.load(f)["sequences"][0][:48]
+    (tmp_path / "score.json").write_text(json.dumps({"sequences": [tokens], "prefill_len": 40}))
+
+    def logits(name, where, kernel="auto"):
+        monkeypatch.setenv(he.ENV, kernel)
+        proc = run_cli(["--ckpt-path", fp8_experts["ckpt"], "--config", fp8_experts["config"], "--device", "cpu",
+                        "--numerics", "fast", "--score", str(tmp_path / "score.json"), "--experts-on", where,
+                        "--dump-logits", str(tmp_path / name)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return load_file(str(tmp_path / name))["logits"]
+
+    device = logits("device.safetensors", "device")
+    assert torch.equal(logits("torch.safetensors", "host", kernel="torch"), device)
+    assert_close_to_reference(logits("native.safetensors", "host"), device, 0.25, 0.03)
 
 
 def test_the_loader_reads_cpu_parameters_straight_from_the_file(monkeypatch):
