@@ -262,8 +262,8 @@ def test_fp8_experts_stay_fp8_on_the_host_and_score_as_on_the_device(fp8_experts
     def logits(name, where, kernel="auto"):
         monkeypatch.setenv(he.ENV, kernel)
         proc = run_cli(["--ckpt-path", fp8_experts["ckpt"], "--config", fp8_experts["config"],
-                        "--device", "cpu", "--numerics", "fast", "--score", str(tmp_path / "score.json"), "--experts-on", where,
-                        "--dump-logits", str(tmp_path / name)])
+                        "--device", "cpu", "--numerics", "fast", "--score", str(tmp_path / "score.json"),
+                        "--experts-on", where, "--dump-logits", str(tmp_path / name)])
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return load_file(str(tmp_path / name))["logits"]
 
