@@ -14,7 +14,20 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
+
+def _host_experts_asked(argv: List[str]) -> bool:
+    return any(a == "--experts-on=host" or (a == "--experts-on" and argv[i + 1:i + 2] == ["host"])
+               for i, a in enumerate(argv))
+
+
+# Read once, when torch loads its OpenMP runtime: with the routed experts on the host, the host-expert
+# kernel's threads start right after torch's parallel regions, whose idle workers by default spin for
+# milliseconds on the cores the kernel needs (measured in a CPU run: the kernel at 7-14 GB/s, 12-15 with
+# passive workers; docs/benchmarks.md §6.1). A value the user set wins.
+if __name__ == "__main__" and _host_experts_asked(sys.argv[1:]):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from encoding import EncodingError, resolve_reasoning_effort
 from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids

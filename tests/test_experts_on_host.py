@@ -7,6 +7,8 @@ experts converted to FP8, on 2 MB pages, and the placements that exclude it refu
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -270,6 +272,41 @@ def test_fp8_experts_stay_fp8_on_the_host_and_score_as_on_the_device(fp8_experts
     device = logits("device.safetensors", "device")
     assert torch.equal(logits("torch.safetensors", "host", kernel="torch"), device)
     assert_close_to_reference(logits("native.safetensors", "host"), device, 0.25, 0.03)
+
+
+GENERATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generate.py")
+
+
+def test_a_host_experts_run_starts_torch_with_passive_openmp_workers(monkeypatch, capsys):
+    """generate.py --experts-on host sets OMP_WAIT_POLICY=PASSIVE before torch loads (torch's idle OpenMP
+    workers would spin on the cores the kernel's threads need), unless set; other runs leave it."""
+    spy = ("import os, runpy, sys\n"
+           "seen = []\n"
+           "class Spy:\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name == 'torch':\n"
+           "            seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
+           "sys.meta_path.insert(0, Spy())\n"
+           f"sys.argv = [{GENERATE!r}, '--experts-on', 'host', '--help']\n"
+           "try:\n"
+           "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+           "except SystemExit:\n"
+           "    pass\n"
+           "print('torch loaded with', seen[0])\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run([sys.executable, "-c", spy], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "torch loaded with PASSIVE", proc.stdout + proc.stderr
+    import runpy                                                    # the other cases: torch is loaded here
+    for argv, preset, want in ((["--experts-on=host"], None, "PASSIVE"), (["--experts-on", "host"], "ACTIVE",
+                               "ACTIVE"), (["--experts-on", "device"], None, None), ([], None, None)):
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        if preset:
+            monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+        monkeypatch.setattr(sys, "argv", [GENERATE, *argv, "--help"])
+        with pytest.raises(SystemExit):
+            runpy.run_path(GENERATE, run_name="__main__")
+        assert os.environ.get("OMP_WAIT_POLICY") == want, argv
+    capsys.readouterr()
 
 
 def test_the_loader_reads_cpu_parameters_straight_from_the_file(monkeypatch):
