@@ -66,28 +66,45 @@ def fixture_model(opts=None, **overrides):
     return model
 
 
-@pytest.fixture(scope="session")
-def tiny_mp4(tmp_path_factory):
-    """A tiny random-weight model converted at MP 4: the fixture's config with o_groups = 4 (its own 2 admits
-    W = 1 and 2 only). {"ckpt": the shards' directory, "config": its config.json}."""
-    import convert
-    from inference.config import ModelArgs
-    from inference.tools.synthetic import write_synthetic_checkpoint
-    root = tmp_path_factory.mktemp("tiny_mp4")
+def fixture_config(**overrides) -> dict:
+    """The fixture's config.json without its runtime keys, with `overrides`."""
     with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
         config = json.load(f)
     for runtime_key in ("max_batch_size", "temperature"):
         config.pop(runtime_key, None)
-    config["o_groups"] = 4
-    (root / "config.json").write_text(json.dumps(config, indent=1))
+    return dict(config, **overrides)
+
+
+def tiny_model(root, config: dict, worlds=(1,), seed: int = 3, expert_dtype=None) -> dict:
+    """A random-weight checkpoint of `config` (inference/tools/synthetic.py, the fixture's tokenizer) under
+    `root`, converted by convert.py at each world size in `worlds`: {"config": its config.json, "dirs":
+    {world: the shards' directory}}. expert_dtype "fp8": FP8 experts, and the config says "expert_dtype":
+    null."""
+    import convert
+    from inference.config import ModelArgs
+    from inference.tools.synthetic import write_synthetic_checkpoint
     tok = root / "tok"
     tok.mkdir()
     shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
     (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
-    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=3, shards=1,
+    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=seed, shards=1,
                                tokenizer_dir=str(tok))
-    convert.convert(str(root / "hf"), str(root / "mp4"), 4, workers=1, progress=False, log=lambda *_: None)
-    return {"ckpt": str(root / "mp4"), "config": str(root / "config.json")}
+    dirs = {}
+    for world in worlds:
+        dirs[world] = str(root / f"mp{world}")
+        convert.convert(str(root / "hf"), dirs[world], world, expert_dtype=expert_dtype, workers=1,
+                        progress=False, log=lambda *_: None)
+    (root / "config.json").write_text(json.dumps(dict(config, expert_dtype=None) if expert_dtype == "fp8"
+                                                 else config, indent=1))
+    return {"config": str(root / "config.json"), "dirs": dirs}
+
+
+@pytest.fixture(scope="session")
+def tiny_mp4(tmp_path_factory):
+    """A tiny random-weight model converted at MP 4: the fixture's config with o_groups = 4 (its own 2 admits
+    W = 1 and 2 only). {"ckpt": the shards' directory, "config": its config.json}."""
+    model = tiny_model(tmp_path_factory.mktemp("tiny_mp4"), fixture_config(o_groups=4), worlds=(4,))
+    return {"ckpt": model["dirs"][4], "config": model["config"]}
 
 
 def fixture_tensors(name: str):

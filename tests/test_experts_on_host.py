@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURE, TOKENIZER_CONFIG, fixture_file, fixture_model, fixture_tensors
+from conftest import FIXTURE, fixture_config, fixture_file, fixture_model, fixture_tensors, tiny_model
 from test_generate import assert_close_to_reference, run_cli
 
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
@@ -224,21 +224,8 @@ def test_four_ranks_with_engram_off_the_device_and_chunked_prefill(tiny_mp4, tmp
 @pytest.fixture(scope="module")
 def fp8_experts(tmp_path_factory):
     """A tiny random model whose routed experts convert.py wrote as FP8 (--expert-dtype fp8) at MP 1."""
-    import convert
-    from inference.tools.synthetic import write_synthetic_checkpoint
-    root = tmp_path_factory.mktemp("fp8_experts")
-    with open(os.path.join(FIXTURE, "config.json")) as f:
-        config = {k: v for k, v in json.load(f).items() if k not in ("max_batch_size", "temperature")}
-    tok = root / "tok"
-    tok.mkdir()
-    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
-    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=5, shards=1,
-                               tokenizer_dir=str(tok))
-    convert.convert(str(root / "hf"), str(root / "mp1"), 1, expert_dtype="fp8", workers=1, progress=False,
-                    log=lambda *_: None)
-    (root / "config.json").write_text(json.dumps(dict(config, expert_dtype=None)))  # as convert.py says
-    return {"ckpt": str(root / "mp1"), "config": str(root / "config.json")}
+    model = tiny_model(tmp_path_factory.mktemp("fp8_experts"), fixture_config(), seed=5, expert_dtype="fp8")
+    return {"ckpt": model["dirs"][1], "config": model["config"]}
 
 
 def test_fp8_experts_stay_fp8_on_the_host_and_score_as_on_the_device(fp8_experts, tmp_path, monkeypatch):

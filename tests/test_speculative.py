@@ -4,7 +4,6 @@ scoring mode."""
 import json
 import os
 import re
-import shutil
 from types import SimpleNamespace
 from unittest import mock
 
@@ -13,7 +12,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import FIXTURE, ROOT, TOKENIZER_CONFIG, fixture_model, fixture_tensors, free_port, fixture_file
+from conftest import (FIXTURE, fixture_config, fixture_file, fixture_model, fixture_tensors, free_port,
+                      tiny_model)
 import ranks
 
 import generate
@@ -225,39 +225,20 @@ def test_greedy_rule():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    import convert
-    from inference.config import ModelArgs
-    from inference.tools.synthetic import write_synthetic_checkpoint
-
     root = tmp_path_factory.mktemp("spec")
-    with open(fixture_file(os.path.join(FIXTURE, "config.json"))) as f:
-        config = json.load(f)
-    for key in ("max_batch_size", "temperature"):
-        config.pop(key, None)
-    config.update(window_size=16, dspark_block_size=5, max_seq_len=PROMPT_LEN + NEW, index_topk=16,
-                  candidate_topk_blocks=4)
+    config = fixture_config(window_size=16, dspark_block_size=5, max_seq_len=PROMPT_LEN + NEW, index_topk=16,
+                            candidate_topk_blocks=4)
     assert config["compress_ratios"] == [0, 2, 2, 1, 1, 1, 1, 1, 0, 0]
     assert config["kv_source_layers"] == [1, 3] and config["candidate_source_layer"] == 3
     config.update(n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1, 0, 0], index_source_layers=[1, 3, 5],
                   dspark_target_layer_ids=[3, 4, 5])
-    cfg = root / "config.json"
-    cfg.write_text(json.dumps(config, indent=1))
-    tok = root / "tok"
-    tok.mkdir()
-    shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tok / "tokenizer.json")
-    (tok / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, ensure_ascii=False))
-    write_synthetic_checkpoint(ModelArgs.from_dict(config), str(root / "hf"), seed=7, shards=1,
-                               tokenizer_dir=str(tok))
-    dirs = {}
-    for world in (1, 2):
-        dirs[world] = str(root / f"mp{world}")
-        convert.convert(str(root / "hf"), dirs[world], world, workers=1, log=lambda *_: None)
-        shutil.copy(tok / "tokenizer_config.json", dirs[world])
+    model = tiny_model(root, config, worlds=(1, 2), seed=7)
+    cfg, dirs = model["config"], model["dirs"]
     gen = torch.Generator().manual_seed(0)
     prompt = [0] + torch.randint(4, config["vocab_size"] - 8, (PROMPT_LEN - 1,), generator=gen).tolist()
     # A batch of two prompts of different lengths (the shorter one is teacher-forced past its prefill).
     other = [0] + torch.randint(4, config["vocab_size"] - 8, (PROMPT_LEN - 7,), generator=gen).tolist()
-    return {"config": str(cfg), "dirs": dirs, "root": root, "prompt": prompt, "batch": [other, prompt],
+    return {"config": cfg, "dirs": dirs, "root": root, "prompt": prompt, "batch": [other, prompt],
             "vocab": config["vocab_size"]}
 
 
