@@ -188,23 +188,27 @@ class HostExperts:
         return out.to(x.device)
 
 
-# The estimate behind HostExperts' choice for a GPU call: the kernel's rate per host thread (a prefill of
-# 512 tokens ran 82-106 GMAC/s on 2 threads of an AVX-512 CPU, docs/benchmarks.md §6) against host-to-GPU
-# copies from pageable memory (PCIe 4.0 x16: assumed, not yet measured on a GPU host).
-HOST_MACS_PER_THREAD = 40e9
+# The estimate behind HostExperts' choice for a GPU call: the rate per host thread of the kernel variant that
+# runs (512-token prefills of `python -m inference.tools.bench experts`, 2 threads: avx512 82-106 GMAC/s on
+# Zen 5, avx2 34-36 on Zen 3, scalar 2.0; the torch path dequantises each expert first, 0.5-3.7;
+# docs/benchmarks.md §6) against host-to-GPU copies from pageable memory (PCIe 4.0 x16: assumed, not yet
+# measured on a GPU host).
+HOST_MACS_PER_THREAD = {"avx512": 40e9, "avx2": 17e9, "scalar": 1e9, "torch": 0.25e9}
 LINK_BYTES_PER_S = 16e9
 
 
-def prefers_copy(moe: "MoE", active, selections: int) -> bool:
+def prefers_copy(moe: "MoE", active, selections: int, variant: Optional[str] = None) -> bool:
     """Whether copying the active experts' bytes to the GPU beats computing them on the host: bytes / link
-    rate against multiply-adds / the host's rate. Released geometry (18.8 MB and 3 x 5120 x 2304 MACs per
-    expert and selection), 2 host threads: the copy wins from about 170 tokens (top-6 of 384)."""
+    rate against multiply-adds / the host's rate with `variant` (host_experts.resolve's choice by default).
+    Released geometry (18.8 MB and 3 x 5120 x 2304 MACs per expert and selection), 2 host threads: the copy
+    wins from about 170 tokens of top-6 of 384 with avx512, 72 with avx2."""
     if not active:
         return False
     one = moe.experts[active[0]]
     nbytes = sum(w[0].nbytes + (0 if sc is None else sc[0].nbytes) for w, sc in moe.stacked.values())
     macs = sum(lin.in_features * lin.out_features for lin in (one.w1, one.w2, one.w3))
-    host_s = selections * macs / (HOST_MACS_PER_THREAD * torch.get_num_threads())
+    rate = HOST_MACS_PER_THREAD[host_experts.kernel_variant(variant)]
+    host_s = selections * macs / (rate * torch.get_num_threads())
     return len(active) * nbytes / LINK_BYTES_PER_S < host_s
 
 
