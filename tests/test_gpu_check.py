@@ -72,6 +72,8 @@ def test_rehearsal_walks_every_phase_on_cpu():
     assert "tp, W = 2 vs W = 1 (torch kernels, gloo): ok" in out
     assert "experts on the host vs reference logits: ok" in out
     assert "experts on the host vs on the device: ok" in out
+    for where in ("device", "host"):
+        assert re.search(rf"--experts-on {where}: ok \(decode [\d.]+ ms per token, ", out), out[-2000:]
 
 
 def test_rehearsal_fails_when_a_phase_setup_raises(monkeypatch, capsys):

@@ -888,7 +888,9 @@ def phase_host_experts(ctx: Ctx) -> bool:
         ok, out = _score(fix, os.path.join(fix, "config.json"), ctx.score_file(), dumps[where], flags, clock,
                          device=ctx.device)
         took = f"{time.perf_counter() - t0:.1f} s, process start included"
-        note(f"fixture scored with {' '.join(flags)}: {'ok' if ok else 'FAIL'} ({took})"
+        step = re.search(r"decode: (\d+) tokens in ([\d.]+) s", out)
+        per_token = f"decode {1e3 * float(step[2]) / int(step[1]):.1f} ms per token, " if step else ""
+        note(f"fixture scored with {' '.join(flags)}: {'ok' if ok else 'FAIL'} ({per_token}{took})"
              + ("" if ok else "\n" + _tail(out)))
         ok_all &= ok
     if ok_all:
@@ -928,7 +930,8 @@ PHASES = (
           "decode logits replayed from CUDA graphs equal the eager ones bit for bit (fixture, batch 1 and "
           "4); ms/step both ways"),
     Phase("hostexperts", 30, phase_host_experts, phase_host_experts,
-          "the fixture scored with --experts-on host against the reference logits and the all-GPU route"),
+          "the fixture scored with --experts-on host against the reference logits and the all-GPU route; "
+          "decode ms per token both ways"),
 )
 
 
