@@ -190,10 +190,10 @@ class HostExperts:
 
 # The estimate behind HostExperts' choice for a GPU call: the rate per host thread of the kernel variant that
 # runs (512-token prefills of `python -m inference.tools.bench experts`, 2 threads: avx512 82-106 GMAC/s on
-# Zen 5, avx2 34-36 on Zen 3, scalar 2.0; the torch path dequantises each expert first, 0.5-3.7;
+# Zen 5, avx2 51 on Zen 3, scalar 2.0; the torch path dequantises each expert first, 0.5-3.7;
 # docs/benchmarks.md §6) against host-to-GPU copies from pageable memory (PCIe 4.0 x16: assumed, not yet
 # measured on a GPU host).
-HOST_MACS_PER_THREAD = {"avx512": 40e9, "avx2": 17e9, "scalar": 1e9, "torch": 0.25e9}
+HOST_MACS_PER_THREAD = {"avx512": 40e9, "avx2": 25e9, "scalar": 1e9, "torch": 0.25e9}
 LINK_BYTES_PER_S = 16e9
 
 
@@ -201,7 +201,7 @@ def prefers_copy(moe: "MoE", active, selections: int, variant: Optional[str] = N
     """Whether copying the active experts' bytes to the GPU beats computing them on the host: bytes / link
     rate against multiply-adds / the host's rate with `variant` (host_experts.resolve's choice by default).
     Released geometry (18.8 MB and 3 x 5120 x 2304 MACs per expert and selection), 2 host threads: the copy
-    wins from about 170 tokens of top-6 of 384 with avx512, 72 with avx2."""
+    wins from about 170 tokens of top-6 of 384 with avx512, 106 with avx2."""
     if not active:
         return False
     one = moe.experts[active[0]]

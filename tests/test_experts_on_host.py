@@ -139,7 +139,7 @@ def test_the_copy_estimate_of_a_gpu_call(variant, monkeypatch):
     """prefers_copy on the released geometry (meta weights): 18.8 MB and 3 x 5120 x 2304 multiply-adds per
     expert; with every expert active the copy wins once the selections' work on the host, at the rate of the
     kernel variant that runs, outweighs the bytes over the link: at 2 threads about 170 tokens of top-6 with
-    avx512, 72 with avx2 (a variant beyond this CPU is only named here, never run)."""
+    avx512, 106 with avx2 (a variant beyond this CPU is only named here, never run)."""
     from inference.moe import HOST_MACS_PER_THREAD, LINK_BYTES_PER_S
     from inference.state import ModelContext
     args = ModelArgs.from_file(os.path.join(os.path.dirname(FIXTURE), "..", "..", "config.json"),

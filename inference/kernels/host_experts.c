@@ -29,6 +29,7 @@
 #define WIDTH 16
 #define ROWS 4 /* rows x tokens held in registers per tile: 16 accumulators */
 #define TOKS 4
+#define FP4_TOKS TOKS
 typedef __m512 vec;
 #define vzero() _mm512_setzero_ps()
 #define vload(p) _mm512_loadu_ps(p)
@@ -40,6 +41,7 @@ typedef __m512 vec;
 #define WIDTH 8
 #define ROWS 2 /* 16 ymm registers: 4 accumulators, 8 weight vectors */
 #define TOKS 2
+#define FP4_TOKS 4 /* tile_fp4: 8 accumulators; a block's 4 decoded vectors feed 16 FMAs */
 typedef __m256 vec;
 #define vzero() _mm256_setzero_ps()
 #define vload(p) _mm256_loadu_ps(p)
@@ -54,6 +56,7 @@ static inline float vsum(__m256 a) {
 #define WIDTH 1
 #define ROWS 4
 #define TOKS 1
+#define FP4_TOKS TOKS
 typedef float vec;
 #define vzero() 0.0f
 #define vload(p) (*(p))
@@ -251,8 +254,9 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
    masked in place. 11 vector instructions give the block's 4 scaled vectors, each product is the
    reference's (weight times scale, then times the activation: exact), and nothing multiplies by the scale
    afterwards. Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come in
-   that order (host_experts.py, order 3). Each row and token keeps two sums (vectors 0, 2 and 1, 3): one
-   chain of dependent FMAs per row would wait on the FMA's latency rather than on the weights. */
+   that order (host_experts.py, order 3). One token keeps two sums per row (vectors 0, 2 and 1, 3): one chain
+   of dependent FMAs per row would wait on the FMA's latency rather than on the weights; a tile of several
+   tokens has chains enough, and each decoded block feeds the FMAs of all of them. */
 
 /* SCALED[e][0][c], SCALED[e][1][c]: the high and low byte of the bf16 E2M1[c] x 2^(e - 127) (ue8m0) */
 static uint8_t SCALED[256][2][16];
@@ -290,7 +294,8 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
     const int64_t kb_n = k / BLK, row_bytes = k / 2;
     const uint8_t *w = j->w + r0 * row_bytes, *s = j->s + r0 * kb_n;
     const float *x = j->x + t0 * k;
-    __m256 acc[2 * ROWS][TOKS][2];
+    const int S = T == 1 ? 2 : 1; /* sums per row and token */
+    __m256 acc[2 * ROWS][FP4_TOKS][2];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < kb_n; kb++) {
@@ -307,8 +312,8 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
             e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv);
             for (int t = 0; t < T; t++)
                 for (int q = 0; q < 4; q++)
-                    acc[r][t][q % 2] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + t * k + kb * BLK + 8 * q),
-                                                       acc[r][t][q % 2]);
+                    acc[r][t][q % S] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + t * k + kb * BLK + 8 * q),
+                                                       acc[r][t][q % S]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -325,24 +330,30 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
 
 /* Rows [r0, r1) of job j: tiles of ROWS x TOKS, a decode step (one token) 2 * ROWS rows at a time (more
    independent sums in flight while the weights stream), single rows and tokens at the edges. */
+/* the tokens from t on in tiles of TT, rows [r0, r1) for each tile; returns the first token left */
+static inline __attribute__((always_inline)) int64_t token_tiles(const job_t *j, int64_t k, int fp4,
+                                                                 int64_t r0, int64_t r1, int64_t t,
+                                                                 const int TT) {
+    for (; t + TT <= j->m; t += TT) {
+        int64_t r = r0;
+        for (; r + ROWS <= r1; r += ROWS) TILE(j, k, fp4, r, t, ROWS, TT);
+        for (; r < r1; r++) TILE(j, k, fp4, r, t, 1, TT);
+    }
+    return t;
+}
+
 static void rows(const job_t *j, int64_t k, int fp4, int64_t r0, int64_t r1) {
-    int64_t t = 0;
     if (j->m == 1) {
         int64_t r = r0;
         for (; r + 2 * ROWS <= r1; r += 2 * ROWS) TILE(j, k, fp4, r, 0, 2 * ROWS, 1);
         for (; r < r1; r++) TILE(j, k, fp4, r, 0, 1, 1);
         return;
     }
-    for (; t + TOKS <= j->m; t += TOKS) {
-        int64_t r = r0;
-        for (; r + ROWS <= r1; r += ROWS) TILE(j, k, fp4, r, t, ROWS, TOKS);
-        for (; r < r1; r++) TILE(j, k, fp4, r, t, 1, TOKS);
-    }
-    for (; t < j->m; t++) {
-        int64_t r = r0;
-        for (; r + ROWS <= r1; r += ROWS) TILE(j, k, fp4, r, t, ROWS, 1);
-        for (; r < r1; r++) TILE(j, k, fp4, r, t, 1, 1);
-    }
+    int64_t t = 0;
+    if (fp4 && FP4_TOKS > TOKS) /* the rest goes by TOKS and by 1 */
+        t = token_tiles(j, k, 1, r0, r1, t, FP4_TOKS);
+    t = token_tiles(j, k, fp4, r0, r1, t, TOKS);
+    token_tiles(j, k, fp4, r0, r1, t, 1);
 }
 
 /* ---- the jobs, split into chunks of CHUNK rows, taken from a shared counter ---- */
