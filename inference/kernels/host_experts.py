@@ -31,8 +31,8 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 (The avx2 figure there is an earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
 read bandwidth 29-38 GB/s from run to run), avx2 with scaled tables, two sums per row and huge pages: decode
-11.9-14.8 GB/s (32-48 %; median 7.9-10.2 ms per layer; the version before 9.6-11.3 GB/s, 33-40 %), bound by
-the FP pipes its shuffles share with the FMAs (one thread 8.7-9.3 GB/s from DRAM or L2 alike); prefill,
+11.9-15.0 GB/s (32-48 %; median 7.7-10.2 ms per layer; the version before 9.6-11.3 GB/s, 33-40 %), bound by
+its instruction mix (one thread 8.7-9.5 GB/s from DRAM, L2 or registers alike); prefill,
 with tiles of 4 tokens, 239-241 tokens/s (51 GMAC/s; before 132-144); scalar 1.0 GB/s, 9.5 tokens/s.
 docs/benchmarks.md section 6 has the details.
 """
