@@ -5,6 +5,7 @@ for bit; the native kernels: the same products, within the summation bound), wit
 at W = 1 and 2 through the CLI, at W = 4 with the Engram tables off the device and a chunked prefill, with
 experts converted to FP8, on 2 MB pages, and the placements that exclude it refused in one line."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -154,8 +155,8 @@ def test_the_copy_estimate_of_a_gpu_call(variant, monkeypatch):
     tokens = per_expert * 384 / LINK_BYTES_PER_S * rate * threads / (3 * 5120 * 2304) / 6
     everything = list(range(384))
     monkeypatch.setattr(he, "kernel_variant", lambda v=None: variant)     # the estimate only reads the name
-    assert not prefers_copy(moe, everything, int(tokens * 6 * 0.9))
-    assert prefers_copy(moe, everything, int(tokens * 6 * 1.1))
+    assert not prefers_copy(moe, everything, math.floor(tokens * 6 * 0.9))
+    assert prefers_copy(moe, everything, math.ceil(tokens * 6 * 1.1))          # a few selections at 1 thread
     assert not prefers_copy(moe, [], 10 ** 6)
     print(f"{variant}: copy from {tokens:.0f} tokens at {threads} threads")
 
