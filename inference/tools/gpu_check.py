@@ -25,8 +25,8 @@ the rest of its work with a note:
            bit; ms/step both ways. Not yet run on a GPU.
   hostexperts  --experts-on host: the fixture scored on CUDA with its routed experts in host memory, computed
            by the host-expert kernel (one round trip per MoE layer), against the reference logits and against
-           the all-GPU torch route (the fast order's floor: the parity tool's default tolerances); seconds per
-           run both ways. Not yet run on a GPU.
+           the all-GPU torch route (the fast order's floor: the parity tool's default tolerances); decode ms
+           per token both ways. Not yet run on a GPU.
 Without CUDA it prints one line and exits 2. Exit status 1 when any check that ran failed, else 0.
 
 Time budget on one H200 (seconds). The whole check, compilation included, stays within 8 minutes (480 s):
