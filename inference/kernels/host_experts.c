@@ -250,7 +250,7 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
    lane) or element 2j + 1's (high lane). Every E2M1 value times a UE8M0 scale is a bf16 (<= 2 significant
    bits; bf16 subnormals reach 2^-133, below the smallest, 0.5 x 2^-127): vpshufb looks up each code's high
    and low bf16 byte in the two 16-entry tables of the block's scale byte (sign included), vpunpck{l,h}bw
-   pairs them into words, and a bf16 word w is the fp32 w << 16: the even words shifted up, the odd ones
+   pairs them into words, and a bf16 word w is the fp32 w << 16: the even words moved up, the odd ones
    masked in place. 11 vector instructions give the block's 4 scaled vectors, each product is the
    reference's (weight times scale, then times the activation: exact), and nothing multiplies by the scale
    afterwards. Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come in
@@ -283,9 +283,14 @@ static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, u
     __m256i hi = _mm256_shuffle_epi8(tab_hi, c), lo = _mm256_shuffle_epi8(tab_lo, c);
     __m256i b0 = _mm256_unpacklo_epi8(lo, hi), b1 = _mm256_unpackhi_epi8(lo, hi); /* bf16 words */
     const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
-    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(b0, 16));
+    /* the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs, leaving the two
+       pipes that shift and shuffle to the lookups (Zen 3: 5.7 -> 5.2 cycles a block); the empty asm hides
+       the constant so that the compiler does not turn the multiply back into a shift */
+    __m256i up = _mm256_set1_epi32(1 << 16);
+    __asm__("" : "+x"(up));
+    w[0] = _mm256_castsi256_ps(_mm256_mullo_epi32(b0, up));
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(b0, odd));
-    w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(b1, 16));
+    w[2] = _mm256_castsi256_ps(_mm256_mullo_epi32(b1, up));
     w[3] = _mm256_castsi256_ps(_mm256_and_si256(b1, odd));
 }
 
