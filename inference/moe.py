@@ -179,12 +179,13 @@ class HostExperts:
         out = torch.zeros(n, k, x.shape[-1], dtype=x.dtype)           # [N, k, D] on the host
         if active:
             first = next(e for e in moe.experts if e is not None)
-            xs = x.cpu()[rows // k]                                    # [M, D], grouped by expert
             ws = weights.cpu().flatten()[rows]                         # [M] routing weights
             projections = [moe.stacked[p] for p in ("w1", "w3", "w2")]
             local = [e - moe.start for e in active]
-            out.view(n * k, -1)[rows] = host_experts.expert_swiglu(xs, sizes, local, ws, *projections,
-                                                                   first.w1.kind, first.swiglu)
+            # x [N, D] with each row's token: each token's activations are quantised once, not k times
+            out.view(n * k, -1)[rows] = host_experts.expert_swiglu(x.cpu(), sizes, local, ws, *projections,
+                                                                   first.w1.kind, first.swiglu,
+                                                                   tokens=rows // k)
         return out.to(x.device)
 
 

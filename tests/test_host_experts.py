@@ -180,6 +180,25 @@ def test_expert_swiglu_native_vs_torch(kind):
     torch.testing.assert_close(got.float(), spec.float(), rtol=0.02, atol=0.02 * spec.float().abs().max())
 
 
+@pytest.mark.parametrize("variant", ["torch"] + NATIVE)
+@pytest.mark.parametrize("counts,experts,tokens", [
+    ([1, 1, 1], [3, 0, 1], [2, 2, 2]),                      # a decode step: one token, a row per expert
+    ([1, 1, 1, 1], [2, 1, 3, 0], [0, 4, 4, 1]),             # one row each, pointing into x
+    ([2, 1, 3], [1, 0, 3], [0, 3, 1, 3, 0, 2])])            # rows gathered: several per expert
+def test_tokens_quantised_once_give_the_rows_numbers(variant, counts, experts, tokens):
+    """x [N, K] with each row's token: the same numbers, bit for bit, as those rows gathered into [M, K]."""
+    gen = torch.Generator().manual_seed(len(tokens))
+    w1, w3, w2 = stored("fp4", 4, 64, 96, gen), stored("fp4", 4, 64, 96, gen), stored("fp4", 4, 96, 64, gen)
+    x = (torch.randn(5, 96, generator=gen) * 3).bfloat16()
+    tokens = torch.tensor(tokens)
+    rows = he.expert_linears_fp32(x[tokens], counts, experts, [w1, w3], "fp4", variant)
+    got = he.expert_linears_fp32(x, counts, experts, [w1, w3], "fp4", variant, tokens=tokens)
+    assert all(torch.equal(a, b) for a, b in zip(got, rows))
+    rw, act = torch.rand(len(tokens), generator=gen), functools.partial(he.swiglu, limit=10.0)
+    assert torch.equal(he.expert_swiglu(x, counts, experts, rw, w1, w3, w2, "fp4", act, variant, tokens),
+                       he.expert_swiglu(x[tokens], counts, experts, rw, w1, w3, w2, "fp4", act, variant))
+
+
 def test_bad_input_is_one_line():
     w, s = stored("fp4", 2, 8, 64, torch.Generator().manual_seed(0))
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
@@ -191,6 +210,9 @@ def test_bad_input_is_one_line():
         he.expert_linear(torch.zeros(3, 48, dtype=torch.bfloat16), [3], [0], w, s, "fp4", "torch")
     with pytest.raises(ValueError, match="unknown variant"):
         he.expert_linear(x, [3], [0], w, s, "fp4", "avx9")
+    for bad in (torch.tensor([0, 3]), torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]])):
+        with pytest.raises(ValueError, match="tokens must be"):
+            he.expert_linears(x, [2], [0], [(w, s)], "fp4", "torch", tokens=bad)
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_so_once(tmp_path):

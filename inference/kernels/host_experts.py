@@ -165,15 +165,20 @@ def build(variant: str, cc: Optional[str] = None, cache_dir: Optional[str] = Non
 
 # ---- the projections ----
 
-def _check(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int], projections, kind: str) -> None:
+def _check(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int], projections, kind: str,
+           tokens: Optional[torch.Tensor] = None) -> None:
     """One line for each way the arguments can be wrong."""
     if kind not in FORMATS:
         raise ValueError(f"host experts: kind {kind!r} is not one of {sorted(FORMATS)}")
     if x.dim() != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"host experts: x must be [M, K] with K a multiple of {BLOCK}, got {list(x.shape)}")
-    if len(counts) != len(experts) or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+    rows = x.shape[0] if tokens is None else tokens.numel()
+    if tokens is not None and (tokens.dim() != 1 or tokens.dtype != torch.int64 or
+                               (rows and not 0 <= int(tokens.min()) <= int(tokens.max()) < x.shape[0])):
+        raise ValueError(f"host experts: tokens must be [M] int64 rows of x's {x.shape[0]}")
+    if len(counts) != len(experts) or sum(counts) != rows or min(counts, default=0) < 0:
         raise ValueError(f"host experts: counts {list(counts)} for experts {list(experts)} do not cover the "
-                         f"{x.shape[0]} rows of x")
+                         f"{rows} rows")
     k = x.shape[1]
     for w, s in projections:
         e, n = w.shape[0], w.shape[1]
@@ -260,11 +265,15 @@ def _activations(lib, x: torch.Tensor, order: int) -> torch.Tensor:
     return out
 
 
-def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, kind: str) -> torch.Tensor:
+def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, kind: str,
+            tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All projections of all experts in one kernel call -> fp32 [M, sum of N]: projection p's outputs in
     its own columns."""
-    a = _activations(lib, x, _order(kind, variant))
-    m, k, kx = x.shape[0], x.shape[1], a.shape[1]
+    a = _activations(lib, x, _order(kind, variant))                 # [M, Kx], or [N, Kx] with tokens
+    if tokens is not None and max(counts, default=0) > 1:          # an expert's rows must follow each other
+        a, tokens = a[tokens], None                                 # [M, Kx]
+    row = list(range(sum(counts))) if tokens is None else tokens.tolist()   # each row's row of a
+    m, k, kx = len(row), x.shape[1], a.shape[1]
     widths = [w.shape[1] for w, _ in projections]
     y = torch.empty(m, sum(widths), dtype=torch.float32)            # [M, N1 + N2 + ...]
     jobs, start = [], 0
@@ -273,7 +282,7 @@ def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, ki
         for (w, s), n in zip(projections, widths):
             if c:
                 jobs += [w.data_ptr() + e * w.stride(0), s.data_ptr() + e * s.stride(0),
-                         a.data_ptr() + start * kx * 4, y.data_ptr() + (start * y.shape[1] + col) * 4,
+                         a.data_ptr() + row[start] * kx * 4, y.data_ptr() + (start * y.shape[1] + col) * 4,
                          n, c, y.shape[1]]
             col += n
         start += c
@@ -287,28 +296,32 @@ def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, ki
 
 
 def expert_linears_fp32(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
-                        projections: Sequence[Projection], kind: str,
-                        variant: Optional[str] = None) -> List[torch.Tensor]:
+                        projections: Sequence[Projection], kind: str, variant: Optional[str] = None,
+                        tokens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """Several projections of the same inputs (w1 and w3) before the bf16 rounding: [M, N_p] fp32 each.
-    x [M, K] bf16, rows grouped by expert (counts[i] rows for experts[i]); projections: (weight, scale) as
-    stored, [E, ...] over the stored experts."""
-    _check(x, counts, experts, projections, kind)
+    x [M, K] bf16, rows grouped by expert (counts[i] rows for experts[i]); or, with tokens [M] int64 (row
+    i is x[tokens[i]]), x [N, K] holding each token once, whose activations are then quantised once rather
+    than once per expert that selected it. projections: (weight, scale) as stored, [E, ...] over the stored
+    experts."""
+    _check(x, counts, experts, projections, kind, tokens)
     projections = [(w.view(torch.uint8), s.view(torch.uint8)) for w, s in projections]
     for w, s in projections:
         if not (w[0].is_contiguous() and s[0].is_contiguous()):        # rows at fixed strides per expert
             raise ValueError("host experts: each expert's weight and scale must be contiguous")
     v = resolve(variant)
     if v == "torch":
+        x = x if tokens is None else x[tokens]                      # [M, K]
         return [linear_torch(x, counts, experts, w, s, kind) for w, s in projections]
-    y = _native(_library(v, _compiler(), _cache_dir()), v, x, counts, experts, projections, kind)
+    y = _native(_library(v, _compiler(), _cache_dir()), v, x, counts, experts, projections, kind, tokens)
     return list(y.split([w.shape[1] for w, _ in projections], dim=1))
 
 
 def expert_linears(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
-                   projections: Sequence[Projection], kind: str,
-                   variant: Optional[str] = None) -> List[torch.Tensor]:
+                   projections: Sequence[Projection], kind: str, variant: Optional[str] = None,
+                   tokens: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """expert_linears_fp32 rounded to bf16: [M, N_p] bf16 per projection (one kernel call for all)."""
-    return [y.to(torch.bfloat16) for y in expert_linears_fp32(x, counts, experts, projections, kind, variant)]
+    ys = expert_linears_fp32(x, counts, experts, projections, kind, variant, tokens)
+    return [y.to(torch.bfloat16) for y in ys]
 
 
 def expert_linear(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int], weight: torch.Tensor,
@@ -330,12 +343,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, weights: Optional[torch.Tensor]
 
 def expert_swiglu(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int], route_weights: torch.Tensor,
                   w1: Projection, w3: Projection, w2: Projection, kind: str, act: Callable,
-                  variant: Optional[str] = None) -> torch.Tensor:
-    """A set of SwiGLU experts, each on its tokens: x [M, D] bf16 grouped by expert, route_weights [M] fp32
-    (each row's routing weight) -> [M, D] bf16, w2(bf16(act(w1 x, w3 x, weight))) per row. `act` is the
-    expert activation (gate, up, weights [M, 1]) -> fp32: moe.Expert.swiglu, or functools.partial(swiglu,
-    limit=...)."""
-    gate, up = expert_linears(x, counts, experts, [w1, w3], kind, variant)          # [M, I] bf16 each
+                  variant: Optional[str] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A set of SwiGLU experts, each on its tokens: x [M, D] bf16 grouped by expert (or [N, D] and tokens
+    [M], as expert_linears_fp32 takes them), route_weights [M] fp32 (each row's routing weight) -> [M, D]
+    bf16, w2(bf16(act(w1 x, w3 x, weight))) per row. `act` is the expert activation (gate, up, weights
+    [M, 1]) -> fp32: moe.Expert.swiglu, or functools.partial(swiglu, limit=...)."""
+    gate, up = expert_linears(x, counts, experts, [w1, w3], kind, variant, tokens)  # [M, I] bf16 each
     h = act(gate, up, route_weights.view(-1, 1)).to(x.dtype)                        # [M, I] bf16
     return expert_linear(h, counts, experts, w2[0], w2[1], kind, variant)           # [M, D] bf16
 

@@ -59,12 +59,12 @@ def decode(experts, steps: int, gen: torch.Generator, variant: str):
     act = functools.partial(he.swiglu, limit=LIMIT)
     times = []
     for _ in range(steps):
-        x = torch.randn(1, DIM, generator=gen).bfloat16().expand(TOPK, DIM)       # the token, once per expert
-        sel = torch.randperm(n, generator=gen)[:TOPK].tolist()
+        x = torch.randn(1, DIM, generator=gen).bfloat16()                          # the token, as the model
+        sel = torch.randperm(n, generator=gen)[:TOPK].tolist()                       # gives it (moe.py)
         rw = torch.rand(TOPK, generator=gen)
         t = time.perf_counter()
         he.expert_swiglu(x, [1] * TOPK, sel, rw, experts["w1"], experts["w3"], experts["w2"], "fp4", act,
-                         variant)
+                         variant, tokens=torch.zeros(TOPK, dtype=torch.int64))
         times.append(time.perf_counter() - t)
     per_step = TOPK * expert_bytes(experts)
     return per_step / min(times) / 1e9, 1e3 * sorted(times)[len(times) // 2]
@@ -102,20 +102,21 @@ def dequant_gemm(x, counts, sel, experts):
 def prefill(experts, tokens: int, subset: int, gen: torch.Generator, variant: str) -> dict:
     n = experts["w1"][0].shape[0]
     counts, sel, tok = routed(tokens, n, gen)
-    x = torch.randn(tokens, DIM, generator=gen).bfloat16()[tok]                # [T k, D] grouped by expert
+    x = torch.randn(tokens, DIM, generator=gen).bfloat16()                     # [T, D], each row's token: tok
     rw = torch.rand(len(tok), generator=gen)
     act = functools.partial(he.swiglu, limit=LIMIT)
-    run = lambda c, s, xs: he.expert_swiglu(xs, c, s, rw[:xs.shape[0]], experts["w1"], experts["w3"],
-                                            experts["w2"], "fp4", act, variant)
+    run = lambda c, s, rows: he.expert_swiglu(x, c, s, rw[:len(rows)], experts["w1"], experts["w3"],
+                                              experts["w2"], "fp4", act, variant, tokens=rows)
     t = time.perf_counter()
-    run(counts, sel, x)
+    run(counts, sel, tok)
     t_all = time.perf_counter() - t
     macs = 3 * DIM * INTER * len(tok)
     # the comparison on the first `subset` active experts (dequantising all of them takes long)
     c_sub, s_sub = counts[:subset], sel[:subset]
-    x_sub = x[:sum(c_sub)]
+    tok_sub = tok[:sum(c_sub)]
+    x_sub = x[tok_sub]                                                          # [M, D] grouped by expert
     t = time.perf_counter()
-    run(c_sub, s_sub, x_sub)
+    run(c_sub, s_sub, tok_sub)
     t_kernel = time.perf_counter() - t
     t_deq, t_gemm = dequant_gemm(x_sub, c_sub, s_sub, experts)
     t_base = t_deq + t_gemm
