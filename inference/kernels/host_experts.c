@@ -274,7 +274,8 @@ static void make_scaled(void) {
 }
 
 /* the 4 scaled vectors of the block at p, scale byte e */
-static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, uint8_t e, __m256 w[4]) {
+static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, uint8_t e, __m256 w[4],
+                                                             const int by_multiply) {
     const __m256i tab_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)SCALED[e][0]));
     const __m256i tab_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)SCALED[e][1]));
     __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
@@ -283,14 +284,15 @@ static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, u
     __m256i hi = _mm256_shuffle_epi8(tab_hi, c), lo = _mm256_shuffle_epi8(tab_lo, c);
     __m256i b0 = _mm256_unpacklo_epi8(lo, hi), b1 = _mm256_unpackhi_epi8(lo, hi); /* bf16 words */
     const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
-    /* the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs, leaving the two
-       pipes that shift and shuffle to the lookups (Zen 3: 5.7 -> 5.2 cycles a block); the empty asm hides
-       the constant so that the compiler does not turn the multiply back into a shift */
+    /* for one token the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs,
+       leaving the two pipes that shift and shuffle to the lookups (Zen 3: 5.7 -> 5.2 cycles a block); the
+       empty asm hides the constant so that the compiler does not turn the multiply back into a shift. A
+       tile of several tokens keeps the shift: its 16 FMAs a block want those pipes (1-2 % slower with it). */
     __m256i up = _mm256_set1_epi32(1 << 16);
     __asm__("" : "+x"(up));
-    w[0] = _mm256_castsi256_ps(_mm256_mullo_epi32(b0, up));
+    w[0] = _mm256_castsi256_ps(by_multiply ? _mm256_mullo_epi32(b0, up) : _mm256_slli_epi32(b0, 16));
     w[1] = _mm256_castsi256_ps(_mm256_and_si256(b0, odd));
-    w[2] = _mm256_castsi256_ps(_mm256_mullo_epi32(b1, up));
+    w[2] = _mm256_castsi256_ps(by_multiply ? _mm256_mullo_epi32(b1, up) : _mm256_slli_epi32(b1, 16));
     w[3] = _mm256_castsi256_ps(_mm256_and_si256(b1, odd));
 }
 
@@ -314,7 +316,7 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
                 _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             __m256 wv[4];
-            e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv);
+            e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv, T == 1);
             for (int t = 0; t < T; t++)
                 for (int q = 0; q < 4; q++)
                     acc[r][t][q % S] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + t * k + kb * BLK + 8 * q),
