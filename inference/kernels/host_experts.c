@@ -401,6 +401,57 @@ static inline float e4m3_round(float v) {
     return copysignf(r, v); /* -0 stays -0, as in torch; no branch on the sign (random: mispredicted) */
 }
 
+#if WIDTH == 8
+/* One block of he_act_quant in order 3 with AVX2: the scalar loop's operations 8 at a time, the same bits
+   (max keeps the running value where a lane is NaN, as the scalar compare does; the clamp and the rounding
+   pass a NaN through) and the [4, 2, 4] order made with two permutes and a blend per output vector. */
+static void act_block_order3(const uint16_t *x, float *o, float c448, float floor_amax) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 g[4], m = _mm256_setzero_ps();
+    for (int v = 0; v < 4; v++) { /* elements 8v .. 8v + 7 */
+        __m128i h = _mm_loadu_si128((const __m128i *)(x + 8 * v));
+        g[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        m = _mm256_max_ps(_mm256_and_ps(g[v], magnitude), m);
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int e = 0; e < 8; e++) amax = lanes[e] > amax ? lanes[e] : amax;
+    amax = amax > floor_amax ? amax : floor_amax;
+    float t = amax * c448;
+    uint32_t tb;
+    memcpy(&tb, &t, 4);
+    const float sc = bits_float((tb + 0x7FFFFFu) & 0x7F800000u), inv = 1.0f / sc;
+    const __m256i low19 = _mm256_set1_epi32(0x7FFFF), one = _mm256_set1_epi32(1);
+    const __m256i keep = _mm256_set1_epi32((int)0xFFF00000u);
+    const __m256 big = _mm256_set1_ps(0x1p14f), smallest_normal = _mm256_set1_ps(0x1p-6f);
+    __m256 q[4];
+    for (int v = 0; v < 4; v++) {
+        __m256 val = _mm256_mul_ps(g[v], _mm256_set1_ps(inv));
+        val = _mm256_min_ps(_mm256_set1_ps(448.0f), _mm256_max_ps(_mm256_set1_ps(-448.0f), val));
+        __m256 a = _mm256_and_ps(val, magnitude);
+        __m256i b = _mm256_castps_si256(a);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 20), one); /* ties to even */
+        __m256i up = _mm256_add_epi32(_mm256_add_epi32(b, low19), odd);
+        __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(up, keep));
+        __m256 sub = _mm256_sub_ps(_mm256_add_ps(a, big), big);
+        __m256 r = _mm256_blendv_ps(sub, normal, _mm256_cmp_ps(a, smallest_normal, _CMP_GE_OQ));
+        r = _mm256_or_ps(r, _mm256_andnot_ps(magnitude, val)); /* the sign */
+        q[v] = _mm256_mul_ps(r, _mm256_set1_ps(sc));
+    }
+    /* out vector 2h + i, lane 4l + d <- element 16h + 4d + 2i + l: of q[2h] (d < 2) or q[2h + 1] (d >= 2),
+       at lane 4 (d % 2) + 2i + l */
+    for (int i = 0; i < 2; i++) {
+        const __m256i idx = _mm256_setr_epi32(2 * i, 4 + 2 * i, 2 * i, 4 + 2 * i,
+                                              2 * i + 1, 5 + 2 * i, 2 * i + 1, 5 + 2 * i);
+        for (int h = 0; h < 2; h++) {
+            __m256 lo = _mm256_permutevar8x32_ps(q[2 * h], idx);
+            __m256 hi = _mm256_permutevar8x32_ps(q[2 * h + 1], idx);
+            _mm256_storeu_ps(o + 8 * (2 * h + i), _mm256_blend_ps(lo, hi, 0xCC));
+        }
+    }
+}
+#endif
+
 /* x [m, k] bf16 bits -> out [m, kx] fp32: per 32, s = ceil_pow2(max(amax, fl32(1e-4)) * fl32(1/448)),
    e4m3(clamp(x / s, +-448)) * s, the numbers of reference.act_quant and fast.quant_act. order: 0 as is,
    1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after),
@@ -412,6 +463,12 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
         for (int64_t c = k; c < kx; c++) /* the padding's elements, wherever the order puts them */
             o[(c / 128) * 128 + (c % 8) * 16 + (c % 128) / 8] = 0.0f;
         for (int64_t b0 = 0; b0 < k; b0 += BLK) {
+#if WIDTH == 8
+            if (order == 3) {
+                act_block_order3(x + i * k + b0, o + b0, c448, floor_amax);
+                continue;
+            }
+#endif
             float g[BLK], amax = 0.0f;
             for (int e = 0; e < BLK; e++) {
                 g[e] = bits_float((uint32_t)x[i * k + b0 + e] << 16);
