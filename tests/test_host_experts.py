@@ -7,6 +7,7 @@ exact product is one rounded addition), so two orders differ by at most 2 gamma(
 rounding to bf16, which is monotone, they differ by at most that plus one bf16 ulp of the larger.
 """
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -256,3 +257,20 @@ def test_a_variant_beyond_the_cpu_is_refused_in_one_line(monkeypatch):
 def test_forced_torch_path_needs_no_compiler(monkeypatch):
     monkeypatch.setenv(he.ENV, "torch")
     assert he.kernel_variant() == "torch"
+
+
+def test_bench_experts_runs_small(capsys):
+    """`python -m inference.tools.bench experts` at a small size: the figures the issue names, the bandwidth
+    read in turns with the decode (one share per round), the bad combination refused in one line. Figures
+    are printed, never asserted."""
+    from inference.tools import bench_experts
+    r = bench_experts.main(["--experts", "6", "--steps", "5", "--rounds", "3", "--tokens", "8", "--subset",
+                            "2", "--bandwidth-gib", "0.05", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out == r and {"read_bandwidth_gbs", "routed_decode_gbs", "prefill_tokens_per_s",
+                         "peak_rss_bytes"} <= set(out)
+    assert len(out["routed_decode_fraction_rounds"]) == 3
+    assert all(out[k] > 0 for k in ("read_bandwidth_gbs", "routed_decode_gbs", "prefill_tokens_per_s",
+                                    "peak_rss_bytes"))
+    with pytest.raises(SystemExit, match=r"need 1 <= --rounds \(4\) <= --steps \(3\)"):
+        bench_experts.main(["--steps", "3", "--rounds", "4"])
