@@ -30,11 +30,10 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 (The avx2 figure there is an earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
-read bandwidth 29-38 GB/s from run to run), avx2 with scaled tables, two sums per row and huge pages: decode
-11.9-15.0 GB/s (32-48 %; median 7.7-10.2 ms per layer; the version before 9.6-11.3 GB/s, 33-40 %), bound by
-its instruction mix (one thread 8.7-9.5 GB/s from DRAM, L2 or registers alike); prefill,
-with tiles of 4 tokens, 239-241 tokens/s (51 GMAC/s; before 132-144); scalar 1.0 GB/s, 9.5 tokens/s.
-docs/benchmarks.md section 6 has the details.
+read bandwidth 31-36 GB/s read in turns with the decode), avx2 with scaled tables, two sums per row, the even
+words moved up by a multiply (the shuffle pipes are the limit: 5.2 cycles a block) and huge pages: decode
+15.1-16.3 GB/s (42-50 %; median 7.1-9.0 ms per layer); prefill, with tiles of 4 tokens, 247-285 tokens/s
+(52-60 GMAC/s); scalar 1.0 GB/s, 9.5 tokens/s. docs/benchmarks.md section 6 has the details.
 """
 import ctypes
 import functools
