@@ -8,7 +8,8 @@ Prints: the machine's memory read bandwidth (a streaming sum over a large buffer
 memory, far beyond the caches) in GB/s of expert bytes and as a share of the read bandwidth. The two are
 sampled in turns (--rounds: one sum, then a share of the decode steps), each figure the best over the run:
 on a shared host the bandwidth left to a process moves by a quarter within seconds, and a share formed from
-figures taken at different moments would move with it; a 512-token prefill (top-6 over the held experts) in tokens/s and GMAC/s, and the kernel against
+figures taken at different moments would move with it; a 512-token prefill (top-6 over the held experts) in
+tokens/s and GMAC/s, and the kernel against
 "dequantise each active expert once into bf16, torch's GEMM" on a subset of the active experts; the kernel's
 build time and peak RSS. Figures are printed, never asserted.
 """
@@ -151,8 +152,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=128, help="routed experts held in memory (18.8 MB each)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps")
-    ap.add_argument("--rounds", type=int, default=6, help="turns of one bandwidth sum and steps / rounds decode "
-                    "steps")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="turns of one bandwidth sum and steps / rounds decode steps")
     ap.add_argument("--tokens", type=int, default=512, help="prefill tokens")
     ap.add_argument("--subset", type=int, default=8, help="active experts in the dequant + GEMM comparison")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
@@ -192,8 +193,8 @@ def main(argv=None):
         f"{len(rounds)}, in turns with the decode steps)")
     say(f"decode, batch 1, top-{TOPK}: {r['routed_decode_gbs']:.1f} GB/s of expert bytes (best step), "
         f"{100 * r['routed_decode_fraction']:.0f} % of the read bandwidth (round by round "
-        f"{100 * min(rounds):.0f}-{100 * max(rounds):.0f} %); median {r['routed_decode_ms']:.2f} ms per layer "
-        f"({TOPK * per / 1e6:.0f} MB)")
+        f"{100 * min(rounds):.0f}-{100 * max(rounds):.0f} %); median {r['routed_decode_ms']:.2f} ms per "
+        f"layer ({TOPK * per / 1e6:.0f} MB)")
     r.update(prefill(experts, opts.tokens, opts.subset, gen, variant))
     faster = "kernel" if r["prefill_subset_kernel_gmacs"] > r["prefill_subset_dequant_gemm_gmacs"] else \
         "dequant + GEMM"
