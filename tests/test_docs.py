@@ -32,11 +32,18 @@ HEADING = re.compile(r"^#{1,6}\s+" + NUMBER + r"\.?(?:\s|$)")
 
 
 def repository_files(root: str = ROOT) -> List[str]:
-    """Tracked files plus untracked files that git does not ignore (paths relative to root)."""
+    """Tracked files plus untracked files that git does not ignore (paths relative to root), less those of a
+    virtual environment made inside the clone under any name (a folder holding pyvenv.cfg: its packages'
+    documents are not ours; Python before 3.13 writes no .gitignore into it)."""
     listed = []
     for extra in ([], ["--others", "--exclude-standard"]):
         out = subprocess.run(["git", "ls-files", "-z", *extra], cwd=root, capture_output=True, check=True)
-        listed += [p for p in out.stdout.decode("utf-8").split("\0") if p]
+        found = [p for p in out.stdout.decode("utf-8").split("\0") if p]
+        if extra:
+            venvs = [os.path.dirname(p) for p in found if os.path.basename(p) == "pyvenv.cfg"]
+            found = [p for p in found if not any(p.startswith(v + "/") or p == os.path.join(v, "pyvenv.cfg")
+                                                 for v in venvs)]
+        listed += found
     return sorted(set(listed))
 
 
@@ -208,3 +215,17 @@ def test_checker_accepts_a_good_line(tmp_path, line, where):
 
 def test_headings_ignore_fenced_blocks():
     assert headings(FAKE_DOCS["docs/guide" + MD]) == {"1", "1.2", "2"}
+
+
+def test_a_virtual_environment_in_the_clone_is_not_read(tmp_path):
+    """`python -m venv anyname` inside the clone (untracked, not ignored): its files are left out; other
+    untracked files are still read."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "README.md").write_text("# x\n")
+    subprocess.run(["git", "add", "README.md"], cwd=tmp_path, check=True)
+    env = tmp_path / "myenv"
+    (env / "lib").mkdir(parents=True)
+    (env / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (env / "lib" / "METADATA").write_text("a package's own notes\n")
+    (tmp_path / "notes.txt").write_text("notes\n")
+    assert repository_files(str(tmp_path)) == ["README.md", "notes.txt"]
