@@ -274,3 +274,5 @@ def test_bench_experts_runs_small(capsys):
                                     "peak_rss_bytes"))
     with pytest.raises(SystemExit, match=r"need 1 <= --rounds \(4\) <= --steps \(3\)"):
         bench_experts.main(["--steps", "3", "--rounds", "4"])
+    with pytest.raises(SystemExit, match="--bandwidth-gib must be a positive size, got 0"):
+        bench_experts.main(["--bandwidth-gib", "0"])

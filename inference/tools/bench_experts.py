@@ -8,10 +8,10 @@ Prints: the machine's memory read bandwidth (a streaming sum over a large buffer
 memory, far beyond the caches) in GB/s of expert bytes and as a share of the read bandwidth. The two are
 sampled in turns (--rounds: one sum, then a share of the decode steps), each figure the best over the run:
 on a shared host the bandwidth left to a process moves by a quarter within seconds, and a share formed from
-figures taken at different moments would move with it; a 512-token prefill (top-6 over the held experts) in
-tokens/s and GMAC/s, and the kernel against
-"dequantise each active expert once into bf16, torch's GEMM" on a subset of the active experts; the kernel's
-build time and peak RSS. Figures are printed, never asserted.
+figures taken at different moments would move with it. Then a 512-token prefill (top-6 over the held
+experts) in tokens/s and GMAC/s, and the kernel against "dequantise each active expert once into bf16,
+torch's GEMM" on a subset of the active experts; the kernel's build time and peak RSS. Figures are printed,
+never asserted.
 """
 import argparse
 import functools
@@ -28,15 +28,17 @@ from ..kernels.fast import dequant_weight
 DIM, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
 
 
+def stream_sum(buf: torch.Tensor) -> float:
+    """GB/s of one streaming read of buf (torch's sum)."""
+    t = time.perf_counter()
+    buf.sum()
+    return buf.numel() * buf.element_size() / (time.perf_counter() - t) / 1e9
+
+
 def read_bandwidth(gib: float = 2.0, repeats: int = 4) -> float:
     """GB/s of a streaming read: torch's sum over a `gib` GiB fp32 buffer, best of `repeats`."""
     buf = torch.ones(int(gib * 2 ** 30) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
+    return max(stream_sum(buf) for _ in range(repeats))
 
 
 def random_experts(n: int, gen: torch.Generator):
@@ -54,13 +56,6 @@ def random_experts(n: int, gen: torch.Generator):
 def expert_bytes(experts) -> int:
     """Stored bytes (weights and scales) of one expert."""
     return sum(w[0].numel() + s[0].numel() for w, s in experts.values())
-
-
-def stream_sum(buf: torch.Tensor) -> float:
-    """GB/s of one streaming read of buf (torch's sum)."""
-    t = time.perf_counter()
-    buf.sum()
-    return buf.numel() * buf.element_size() / (time.perf_counter() - t) / 1e9
 
 
 def decode(experts, steps: int, gen: torch.Generator, variant: str, buf: torch.Tensor, rounds: int):
@@ -164,6 +159,9 @@ def main(argv=None):
     opts = ap.parse_args(argv)
     if opts.steps < 1 or not 1 <= opts.rounds <= opts.steps:
         raise SystemExit(f"bench experts: need 1 <= --rounds ({opts.rounds}) <= --steps ({opts.steps})")
+    if int(opts.bandwidth_gib * 2 ** 30) < 4:
+        raise SystemExit(f"bench experts: --bandwidth-gib must be a positive size, "
+                         f"got {opts.bandwidth_gib:g}")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     gen = torch.Generator().manual_seed(0)
