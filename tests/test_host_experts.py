@@ -81,6 +81,42 @@ def test_kernel_matches_spec_within_the_summation_bound(variant, kind, m, n, k):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("n,k", [(37, 32), (70, 64), (45, 96), (33, 160), (9, 2304)])
+def test_a_decode_step_matches_spec_within_the_summation_bound(variant, kind, n, k):
+    """One row per expert, as in a decode step: AVX2 reads MXFP4 blocks in pairs then, its activations in
+    order 4 (an odd block count ends on one block alone: K 32, 96, 160)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, s = stored(kind, 4, n, k, gen)
+    counts, experts = [1, 1, 1, 1], [2, 0, 3, 1]
+    x = (torch.randn(4, k, generator=gen) * 3).bfloat16()
+    spec = he.linear_torch(x, counts, experts, w, s, kind)
+    got = he.expert_linears_fp32(x, counts, experts, [(w, s)], kind, variant)[0]
+    bound = 2 * (k - 1) * U / (1 - (k - 1) * U) * abs_products(x, counts, experts, w, s, kind)
+    assert ((got.double() - spec.double()).abs() <= bound).all()
+
+
+def test_the_kernel_refuses_activations_in_another_order():
+    """he_run checks the order its caller quantised the activations in (_order): MXFP4 in the build's own,
+    FP8 in 0, and on AVX2 order 4 (blocks in pairs) for jobs of one row only; else -1, nothing written."""
+    lib = he._library(NATIVE[0], he._compiler(), he._cache_dir())
+    w, s = stored("fp4", 1, 8, 64, torch.Generator().manual_seed(3))
+    x, y = torch.ones(2, 64), torch.full((2, 8), 7.0)
+    scratch = torch.empty(2, dtype=torch.int64)
+
+    def run(m, fmt, order):
+        jobs = torch.tensor([w.data_ptr(), s.data_ptr(), x.data_ptr(), y.data_ptr(), 8, m, 8])
+        return lib.he_run(jobs.data_ptr(), 1, scratch.data_ptr(), 64, fmt, order, 1)
+
+    for m, fmt, order in [(2, 4, 4), (2, 4, 0), (1, 8, he._order("fp4", NATIVE[0]))]:
+        assert run(m, fmt, order) == -1 and (y == 7).all(), (m, fmt, order)
+    assert run(2, 4, he._order("fp4", NATIVE[0])) == 0 and not (y == 7).any()
+    if NATIVE[0] == "avx2":
+        y.fill_(7.0)
+        assert run(1, 4, 4) == 0 and not (y[0] == 7).any() and (y[1] == 7).all()
+
+
+@pytest.mark.parametrize("variant", NATIVE)
 @pytest.mark.parametrize("kind,e", [("fp4", e) for e in (0, 1, 2, 64, 127, 200, 250)] +
                          [("fp8", e) for e in (0, 1, 64, 127, 200)])
 def test_scale_bytes_far_from_one_keep_the_products_exact(variant, kind, e):
@@ -102,15 +138,16 @@ def test_scale_bytes_far_from_one_keep_the_products_exact(variant, kind, e):
 
 @pytest.mark.parametrize("variant", NATIVE)
 @pytest.mark.parametrize("kind", ["fp4", "fp8"])
-@pytest.mark.parametrize("k", [32, 256])
-def test_exact_sums_are_bit_identical(variant, kind, k):
+@pytest.mark.parametrize("k", [32, 256, 288])
+@pytest.mark.parametrize("counts", [[1, 4, 2], [1, 1, 1]])          # [1, 1, 1]: a decode step's pairs
+def test_exact_sums_are_bit_identical(variant, kind, k, counts):
     """Small integers (x quantised to multiples of 1/64 at most 7, weights 0 .. 6 at scale 1): every partial
     sum is exact in fp32, so no order can change a bit."""
     gen = torch.Generator().manual_seed(k)
     w, s = stored(kind, 3, 41, k, gen, small=True)
-    x = torch.randint(-7, 8, (7, k), generator=gen).bfloat16()
+    x = torch.randint(-7, 8, (sum(counts), k), generator=gen).bfloat16()
     x[:, 0] = 7                                                     # amax 7: the scale 2^-6, codes 64 x
-    counts, experts = [1, 4, 2], [1, 0, 2]
+    experts = [1, 0, 2]
     spec = he.linear_torch(x, counts, experts, w, s, kind).to(torch.bfloat16)
     got = he.expert_linear(x, counts, experts, w, s, kind, variant)
     assert torch.equal(got.view(torch.int16), spec.view(torch.int16))
@@ -137,7 +174,7 @@ def test_two_projections_in_one_call_and_threads(variant):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
-@pytest.mark.parametrize("order", [0, 1, 2, 3])
+@pytest.mark.parametrize("order", [0, 1, 2, 3, 4])
 def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
     """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks
     (E4M3 subnormals, ties: bf16 inputs have 8 significant bits), a zero row (the 1e-4 floor), -0."""

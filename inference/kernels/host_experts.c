@@ -30,6 +30,7 @@
 #define ROWS 4 /* rows x tokens held in registers per tile: 16 accumulators */
 #define TOKS 4
 #define FP4_TOKS TOKS
+#define FP4_ORDER 2 /* the activation order of its MXFP4 tiles (he_act_quant) */
 typedef __m512 vec;
 #define vzero() _mm512_setzero_ps()
 #define vload(p) _mm512_loadu_ps(p)
@@ -42,6 +43,8 @@ typedef __m512 vec;
 #define ROWS 2 /* 16 ymm registers: 4 accumulators, 8 weight vectors */
 #define TOKS 2
 #define FP4_TOKS 4 /* tile_fp4: 8 accumulators; a block's 4 decoded vectors feed 16 FMAs */
+#define FP4_ORDER 3 /* tile_fp4; one token may come in order 4 (tile_fp4_pairs) */
+#define PAIR_ROWS ROWS /* tile_fp4_pairs: 4 rows spill sums (Zen 3: 8 % slower) */
 typedef __m256 vec;
 #define vzero() _mm256_setzero_ps()
 #define vload(p) _mm256_loadu_ps(p)
@@ -57,6 +60,7 @@ static inline float vsum(__m256 a) {
 #define ROWS 4
 #define TOKS 1
 #define FP4_TOKS TOKS
+#define FP4_ORDER 1
 typedef float vec;
 #define vzero() 0.0f
 #define vload(p) (*(p))
@@ -245,21 +249,34 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
         for (int t = 0; t < T; t++) j->y[(t0 + t) * j->ldy + r0 + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 #elif WIDTH == 8
-/* AVX2 MXFP4, one block (16 bytes) at a time, no multiply and no permute in the decode: the bytes in both
-   128-bit lanes, the high lane shifted right by 4, so that byte j's low nibble is element 2j's code (low
-   lane) or element 2j + 1's (high lane). Every E2M1 value times a UE8M0 scale is a bf16 (<= 2 significant
-   bits; bf16 subnormals reach 2^-133, below the smallest, 0.5 x 2^-127): vpshufb looks up each code's high
-   and low bf16 byte in the two 16-entry tables of the block's scale byte (sign included), vpunpck{l,h}bw
-   pairs them into words, and a bf16 word w is the fp32 w << 16: the even words moved up, the odd ones
-   masked in place. 11 vector instructions give the block's 4 scaled vectors, each product is the
-   reference's (weight times scale, then times the activation: exact), and nothing multiplies by the scale
-   afterwards. Vector q, lane 4l + d holds element 16 (q / 2) + 2 (q % 2) + l + 4d: the activations come in
-   that order (host_experts.py, order 3). One token keeps two sums per row (vectors 0, 2 and 1, 3): one chain
-   of dependent FMAs per row would wait on the FMA's latency rather than on the weights; a tile of several
-   tokens has chains enough, and each decoded block feeds the FMAs of all of them. */
+/* AVX2 MXFP4, no multiply by the scale and no permute in the decode. Every E2M1 value times a UE8M0 scale is
+   a bf16 (<= 2 significant bits; bf16 subnormals reach 2^-133, below the smallest, 0.5 x 2^-127): vpshufb
+   looks up each code's high and low bf16 byte in the two 16-entry tables of its block's scale byte (sign
+   included), vpunpck{l,h}bw pairs them into words, and a bf16 word w is the fp32 w << 16: the even words
+   moved up, the odd ones masked in place. Each product is the reference's (weight times scale, then times the
+   activation: exact), and nothing multiplies by the scale afterwards. Two ways in:
+   - tile_fp4, any number of tokens, a block (16 bytes) at a time: the bytes in both 128-bit lanes, the high
+     lane shifted right by 4, so that byte j's low nibble is element 2j's code (low lane) or element 2j + 1's
+     (high lane); 11 vector instructions give the block's 4 vectors. Vector 2h + i, lane 4p + d holds
+     element 16h + 4d + 2i + p: the activations' order 3 (host_experts.py).
+   - tile_fp4_pairs, one token (a decode step), two neighbouring blocks A, B at a time: one 32-byte load holds
+     A in its low lane and B in the high one, so the low nibbles are the even elements of both and the high
+     nibbles (each word shifted right by 4, by a multiply) the odd ones, looked up in one pair of tables per
+     two scale bytes, A's in the low lane and B's in the high one (PAIRS): 26 instructions for 8 vectors, 4
+     shuffles a block instead of 5 (the two shuffle pipes are the limit: Zen 3, a decode tile in L2, 4.9
+     cycles a block against 5.3). Vector 4p + 2h + i, lane 4l + d holds element 16h + 4d + 2i + p of block l:
+     order 4 (a last block of an odd count alone, in order 3). With several tokens the pair's tile was 13 %
+     slower than tile_fp4 (its 8 vectors, tables and sums want more than 16 registers).
+   One token keeps two sums per row: one chain of dependent FMAs per row would wait on the FMA's latency
+   rather than on the weights; a tile of several tokens has chains enough, and each decoded block feeds the
+   FMAs of all of them. */
 
-/* SCALED[e][0][c], SCALED[e][1][c]: the high and low byte of the bf16 E2M1[c] x 2^(e - 127) (ue8m0) */
+/* SCALED[e][0][c], SCALED[e][1][c]: the high and low byte of the bf16 E2M1[c] x 2^(e - 127) (ue8m0).
+   PAIRS[eA + 256 eB][h]: SCALED[eA][h] and SCALED[eB][h] side by side, the tables of a block pair with scale
+   bytes eA, eB (one 16-bit load of the two). 4 MiB, of which a layer reads the lines of the scale pairs it
+   holds: a few dozen where a checkpoint's block scales span a few powers of two, as trained weights' do. */
 static uint8_t SCALED[256][2][16];
+static uint8_t PAIRS[256 * 256][2][32] __attribute__((aligned(64)));
 static pthread_once_t scaled_once = PTHREAD_ONCE_INIT;
 
 static void make_scaled(void) {
@@ -271,9 +288,36 @@ static void make_scaled(void) {
             SCALED[e][0][c] = (uint8_t)(b >> 24);
             SCALED[e][1][c] = (uint8_t)(b >> 16);
         }
+    for (int i = 0; i < 256 * 256; i++)
+        for (int h = 0; h < 2; h++) {
+            memcpy(PAIRS[i][h], SCALED[i & 255][h], 16);
+            memcpy(PAIRS[i][h] + 16, SCALED[i >> 8][h], 16);
+        }
 }
 
-/* the 4 scaled vectors of the block at p, scale byte e */
+/* bf16 words -> the fp32 vectors of the even words (moved up) and of the odd ones (masked in place). For one
+   token the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs, leaving the
+   two pipes that shift and shuffle to the lookups (Zen 3, blocks one at a time: 5.7 -> 5.2 cycles a block);
+   the empty asm hides the constant so that the compiler does not turn the multiply back into a shift. A tile
+   of several tokens keeps the shift: its FMAs want those pipes (1-2 % slower with the multiply). */
+static inline __attribute__((always_inline)) void words_fp32(__m256i b, __m256 *even, __m256 *odd,
+                                                             const int by_multiply) {
+    __m256i up = _mm256_set1_epi32(1 << 16);
+    __asm__("" : "+x"(up));
+    *even = _mm256_castsi256_ps(by_multiply ? _mm256_mullo_epi32(b, up) : _mm256_slli_epi32(b, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* the looked-up high and low bytes of 32 codes -> their 4 fp32 vectors: [0], [1] from bytes 0 .. 7 of each
+   lane (even, odd words), [2], [3] from bytes 8 .. 15 */
+static inline __attribute__((always_inline)) void bf16_vectors(__m256i hi, __m256i lo, __m256 w[4],
+                                                               const int by_multiply) {
+    words_fp32(_mm256_unpacklo_epi8(lo, hi), &w[0], &w[1], by_multiply);
+    words_fp32(_mm256_unpackhi_epi8(lo, hi), &w[2], &w[3], by_multiply);
+}
+
+/* the 4 scaled vectors of the block at p, scale byte e: the bytes in both lanes, the high lane shifted right
+   by 4, so that byte j's low nibble is element 2j's code (low lane) or element 2j + 1's (high lane) */
 static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, uint8_t e, __m256 w[4],
                                                              const int by_multiply) {
     const __m256i tab_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)SCALED[e][0]));
@@ -281,19 +325,28 @@ static inline __attribute__((always_inline)) void e2m1_block(const uint8_t *p, u
     __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     c = _mm256_and_si256(_mm256_srlv_epi32(c, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                          _mm256_set1_epi8(0x0F));
-    __m256i hi = _mm256_shuffle_epi8(tab_hi, c), lo = _mm256_shuffle_epi8(tab_lo, c);
-    __m256i b0 = _mm256_unpacklo_epi8(lo, hi), b1 = _mm256_unpackhi_epi8(lo, hi); /* bf16 words */
-    const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
-    /* for one token the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs,
-       leaving the two pipes that shift and shuffle to the lookups (Zen 3: 5.7 -> 5.2 cycles a block); the
-       empty asm hides the constant so that the compiler does not turn the multiply back into a shift. A
-       tile of several tokens keeps the shift: its 16 FMAs a block want those pipes (1-2 % slower with it). */
-    __m256i up = _mm256_set1_epi32(1 << 16);
-    __asm__("" : "+x"(up));
-    w[0] = _mm256_castsi256_ps(by_multiply ? _mm256_mullo_epi32(b0, up) : _mm256_slli_epi32(b0, 16));
-    w[1] = _mm256_castsi256_ps(_mm256_and_si256(b0, odd));
-    w[2] = _mm256_castsi256_ps(by_multiply ? _mm256_mullo_epi32(b1, up) : _mm256_slli_epi32(b1, 16));
-    w[3] = _mm256_castsi256_ps(_mm256_and_si256(b1, odd));
+    bf16_vectors(_mm256_shuffle_epi8(tab_hi, c), _mm256_shuffle_epi8(tab_lo, c), w, by_multiply);
+}
+
+/* the two blocks at p (32 bytes), scale bytes at s -> their tables (high, low bytes) and codes;
+   bf16_vectors(vpshufb(hi, n), vpshufb(lo, n)) with n = nibbles(c, q) gives vectors 4 q .. 4 q + 3 of the
+   pair: q = 0 the low nibbles (even elements), 1 the high ones */
+static inline __attribute__((always_inline)) void pair_codes(const uint8_t *p, const uint8_t *s, __m256i *hi,
+                                                             __m256i *lo, __m256i *c) {
+    uint16_t e2;
+    memcpy(&e2, s, 2); /* eA + 256 eB */
+    *hi = _mm256_load_si256((const __m256i *)PAIRS[e2][0]);
+    *lo = _mm256_load_si256((const __m256i *)PAIRS[e2][1]);
+    *c = _mm256_loadu_si256((const __m256i *)p);
+}
+
+static inline __attribute__((always_inline)) __m256i nibbles(__m256i c, const int q) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if (q == 0)
+        return _mm256_and_si256(c, low);
+    __m256i by16 = _mm256_set1_epi16(1 << 12); /* the high half of x 2^12: a word shifted right by 4 */
+    __asm__("" : "+x"(by16));                  /* (kept a multiply, as in words_fp32) */
+    return _mm256_and_si256(_mm256_mulhi_epu16(c, by16), low);
 }
 
 static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64_t k, int64_t r0,
@@ -327,6 +380,46 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
         for (int t = 0; t < T; t++)
             j->y[(t0 + t) * j->ldy + r0 + r] = vsum(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
 }
+
+/* One token, MXFP4 in pairs (activations in order 4): R rows, two sums per row (tile_fp4's prefetch) */
+static inline __attribute__((always_inline)) void tile_fp4_pairs(const job_t *j, int64_t k, int64_t r0,
+                                                                 const int R) {
+    const int64_t kb_n = k / BLK, row_bytes = k / 2;
+    const uint8_t *w = j->w + r0 * row_bytes, *s = j->s + r0 * kb_n;
+    const float *x = j->x;
+    __m256 acc[2 * ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t kb = 0;
+    for (; kb + 2 <= kb_n; kb += 2) {
+        if (kb % 4 == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(w + (2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
+        if (kb % 64 == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m256i hi, lo, c;
+            pair_codes(w + r * row_bytes + 16 * kb, s + r * kb_n + kb, &hi, &lo, &c);
+            for (int q = 0; q < 2; q++) { /* the low nibbles (even elements), then the high ones */
+                const __m256i n = nibbles(c, q);
+                __m256 wv[4];
+                bf16_vectors(_mm256_shuffle_epi8(hi, n), _mm256_shuffle_epi8(lo, n), wv, 1);
+                for (int v = 0; v < 4; v++)
+                    acc[r][v % 2] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + kb * BLK + 32 * q + 8 * v),
+                                                    acc[r][v % 2]);
+            }
+        }
+    }
+    if (kb < kb_n) /* an odd block count: the last block alone, in order 3 */
+        for (int r = 0; r < R; r++) {
+            __m256 wv[4];
+            e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv, 1);
+            for (int v = 0; v < 4; v++)
+                acc[r][v % 2] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(x + kb * BLK + 8 * v), acc[r][v % 2]);
+        }
+    for (int r = 0; r < R; r++) j->y[r0 + r] = vsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
 #endif
 
 #if WIDTH > 1
@@ -336,7 +429,8 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
 #endif
 
 /* Rows [r0, r1) of job j: tiles of ROWS x TOKS, a decode step (one token) 2 * ROWS rows at a time (more
-   independent sums in flight while the weights stream), single rows and tokens at the edges. */
+   independent sums in flight while the weights stream; MXFP4 in order 4: PAIR_ROWS), single rows and tokens
+   at the edges. */
 /* the tokens from t on in tiles of TT, rows [r0, r1) for each tile; returns the first token left */
 static inline __attribute__((always_inline)) int64_t token_tiles(const job_t *j, int64_t k, int fp4,
                                                                  int64_t r0, int64_t r1, int64_t t,
@@ -349,9 +443,16 @@ static inline __attribute__((always_inline)) int64_t token_tiles(const job_t *j,
     return t;
 }
 
-static void rows(const job_t *j, int64_t k, int fp4, int64_t r0, int64_t r1) {
+static void rows(const job_t *j, int64_t k, int fp4, int paired, int64_t r0, int64_t r1) {
     if (j->m == 1) {
         int64_t r = r0;
+#if WIDTH == 8
+        if (paired) { /* he_run admits order 4 only for MXFP4 jobs of one row */
+            for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS) tile_fp4_pairs(j, k, r, PAIR_ROWS);
+            for (; r < r1; r++) tile_fp4_pairs(j, k, r, 1);
+            return;
+        }
+#endif
         for (; r + 2 * ROWS <= r1; r += 2 * ROWS) TILE(j, k, fp4, r, 0, 2 * ROWS, 1);
         for (; r < r1; r++) TILE(j, k, fp4, r, 0, 1, 1);
         return;
@@ -369,7 +470,7 @@ typedef struct {
     const job_t *jobs;
     const int64_t *first; /* [n_jobs + 1]: index of each job's first chunk */
     int64_t n_jobs, k, next;
-    int fp4;
+    int fp4, paired;
 } work_t;
 
 static void *worker(void *arg) {
@@ -381,7 +482,7 @@ static void *worker(void *arg) {
         while (wk->first[j + 1] <= c) j++; /* a thread's chunks come in increasing order */
         const job_t *jb = &wk->jobs[j];
         int64_t r0 = (c - wk->first[j]) * CHUNK, r1 = r0 + CHUNK < jb->n ? r0 + CHUNK : jb->n;
-        rows(jb, wk->k, wk->fp4, r0, r1);
+        rows(jb, wk->k, wk->fp4, wk->paired, r0, r1);
     }
 }
 
@@ -402,10 +503,12 @@ static inline float e4m3_round(float v) {
 }
 
 #if WIDTH == 8
-/* One block of he_act_quant in order 3 with AVX2: the scalar loop's operations 8 at a time, the same bits
-   (max keeps the running value where a lane is NaN, as the scalar compare does; the clamp and the rounding
-   pass a NaN through) and the [4, 2, 4] order made with two permutes and a blend per output vector. */
-static void act_block_order3(const uint16_t *x, float *o, float c448, float floor_amax) {
+/* One block of he_act_quant in order 3 or 4 with AVX2: the scalar loop's operations 8 at a time, the same
+   bits (max keeps the running value where a lane is NaN, as the scalar compare does; the clamp and the
+   rounding pass a NaN through) and the order made with two permutes and a blend per output vector: element
+   16h + 4d + 2i + p at o + p_step p + 16h + 8i + l_off + d (order 3: p_step 4, l_off 0; a block of a pair in
+   order 4: p_step 32, l_off 4 l). */
+static void act_block_avx2(const uint16_t *x, float *o, int p_step, int l_off, float c448, float floor_amax) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 g[4], m = _mm256_setzero_ps();
     for (int v = 0; v < 4; v++) { /* elements 8v .. 8v + 7 */
@@ -438,15 +541,22 @@ static void act_block_order3(const uint16_t *x, float *o, float c448, float floo
         r = _mm256_or_ps(r, _mm256_andnot_ps(magnitude, val)); /* the sign */
         q[v] = _mm256_mul_ps(r, _mm256_set1_ps(sc));
     }
-    /* out vector 2h + i, lane 4l + d <- element 16h + 4d + 2i + l: of q[2h] (d < 2) or q[2h + 1] (d >= 2),
-       at lane 4 (d % 2) + 2i + l */
+    /* vector 2h + i, lane 4p + d <- element 16h + 4d + 2i + p: of q[2h] (d < 2) or q[2h + 1] (d >= 2), at
+       lane 4 (d % 2) + 2i + p; its lanes 4p .. 4p + 3 go to o + p_step p + 16h + 8i + l_off */
     for (int i = 0; i < 2; i++) {
         const __m256i idx = _mm256_setr_epi32(2 * i, 4 + 2 * i, 2 * i, 4 + 2 * i,
                                               2 * i + 1, 5 + 2 * i, 2 * i + 1, 5 + 2 * i);
         for (int h = 0; h < 2; h++) {
             __m256 lo = _mm256_permutevar8x32_ps(q[2 * h], idx);
             __m256 hi = _mm256_permutevar8x32_ps(q[2 * h + 1], idx);
-            _mm256_storeu_ps(o + 8 * (2 * h + i), _mm256_blend_ps(lo, hi, 0xCC));
+            __m256 v = _mm256_blend_ps(lo, hi, 0xCC);
+            float *at = o + 16 * h + 8 * i + l_off;
+            if (p_step == 4) {
+                _mm256_storeu_ps(at, v);
+            } else {
+                _mm_storeu_ps(at, _mm256_castps256_ps128(v));
+                _mm_storeu_ps(at + p_step, _mm256_extractf128_ps(v, 1));
+            }
         }
     }
 }
@@ -455,7 +565,9 @@ static void act_block_order3(const uint16_t *x, float *o, float c448, float floo
 /* x [m, k] bf16 bits -> out [m, kx] fp32: per 32, s = ceil_pow2(max(amax, fl32(1e-4)) * fl32(1/448)),
    e4m3(clamp(x / s, +-448)) * s, the numbers of reference.act_quant and fast.quant_act. order: 0 as is,
    1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after),
-   3 each 32 as [4, 2, 4] (element 16h + 4d + 2i + l at 8 (2h + i) + 4l + d: AVX2's tile_fp4). */
+   3 each 32 as [4, 2, 4] (element 16h + 4d + 2i + p at 16h + 8i + 4p + d: AVX2's e2m1_block), 4 each 64
+   (two 32-blocks, l = 0, 1) as [2, 2, 2, 2, 4] (element 16h + 4d + 2i + p of block l at 32p + 16h + 8i +
+   4l + d: AVX2's pair_codes), a last 32-block of an odd count as in order 3. */
 void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t kx, int order) {
     const float c448 = 1.0f / 448.0f, floor_amax = 1e-4f;
     for (int64_t i = 0; i < m; i++) {
@@ -463,9 +575,13 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
         for (int64_t c = k; c < kx; c++) /* the padding's elements, wherever the order puts them */
             o[(c / 128) * 128 + (c % 8) * 16 + (c % 128) / 8] = 0.0f;
         for (int64_t b0 = 0; b0 < k; b0 += BLK) {
+            /* orders 3 and 4: element 16h + 4d + 2i + p at base + p_step p + 16h + 8i + l_off + d */
+            const int l = (int)(b0 / BLK % 2), paired = order == 4 && (l || b0 + BLK < k);
+            const int64_t base = paired ? b0 - l * BLK : b0;
+            const int p_step = paired ? 32 : 4, l_off = paired ? 4 * l : 0;
 #if WIDTH == 8
-            if (order == 3) {
-                act_block_order3(x + i * k + b0, o + b0, c448, floor_amax);
+            if (order >= 3) {
+                act_block_avx2(x + i * k + b0, o + base, p_step, l_off, c448, floor_amax);
                 continue;
             }
 #endif
@@ -489,8 +605,8 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
                     pos = b0 + (e & 1) * 16 + e / 2;
                 else if (order == 2)
                     pos = (col / 128) * 128 + (col % 8) * 16 + (col % 128) / 8;
-                else if (order == 3)
-                    pos = b0 + 8 * (2 * (e / 16) + (e / 2) % 2) + 4 * (e % 2) + (e % 16) / 4;
+                else if (order >= 3)
+                    pos = base + p_step * (e % 2) + 16 * (e / 16) + 8 * (e / 2 % 2) + l_off + e % 16 / 4;
                 o[pos] = e4m3_round(v) * sc;
             }
         }
@@ -500,9 +616,15 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
 const char *he_variant(void) { return VARIANT; }
 
 /* jobs: n_jobs x 7 int64 (w, s, x, y pointers, n, m, ldy). first: n_jobs + 1 int64 of scratch.
-   fmt: 4 (MXFP4) or 8 (FP8). Returns 0, or -1 for a bad argument. */
-int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int fmt, int n_threads) {
+   fmt: 4 (MXFP4) or 8 (FP8). order: the activations' (he_act_quant), FP8 0, MXFP4 this build's FP4_ORDER, or
+   on AVX2 4 where every job has one row (a decode step). Returns 0, or -1 for a bad argument. */
+int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int fmt, int order,
+           int n_threads) {
     if (k <= 0 || k % BLK || (fmt != 4 && fmt != 8) || n_jobs < 0) return -1;
+    const int paired = WIDTH == 8 && fmt == 4 && order == 4;
+    if (order != (fmt == 8 ? 0 : FP4_ORDER) && !paired) return -1;
+    for (int64_t i = 0; paired && i < n_jobs; i++)
+        if (jobs[7 * i + 5] > 1) return -1;
 #if WIDTH == 8
     pthread_once(&scaled_once, make_scaled);
 #endif
@@ -514,7 +636,7 @@ int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int f
                         (const float *)(intptr_t)d[2], (float *)(intptr_t)d[3], d[4], d[5], d[6]};
         first[i + 1] = first[i] + (js[i].m > 0 ? (js[i].n + CHUNK - 1) / CHUNK : 0);
     }
-    work_t wk = {js, first, n_jobs, k, 0, fmt == 4};
+    work_t wk = {js, first, n_jobs, k, 0, fmt == 4, paired};
     if (n_threads > 64) n_threads = 64;
     pthread_t th[64];
     int started = 0;

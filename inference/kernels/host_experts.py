@@ -14,7 +14,8 @@ Two implementations of the same function:
             ctypes: act_quant in C (the same bits, written in the order the weights unpack in), the weights
             decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps, the block's power
             of two applied by a multiply; avx2: each code's two bf16 bytes, scale included, looked up with
-            vpshufb in the tables of the block's scale byte), fp32 FMAs; weight rows in chunks over
+            vpshufb in the tables of the block's scale byte, a decode step's blocks two at a time), fp32
+            FMAs; weight rows in chunks over
             torch.get_num_threads() threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C);
             auto picks by the CPU. The model's host experts ask for 2 MB pages (advise_huge_pages).
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
@@ -30,10 +31,11 @@ sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one r
 (24 rows per expert): 390-500 tokens/s (82-106 GMAC/s), against 5-27 tokens/s for dequantise-to-bf16 (98 %
 of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-0.7 s per variant, once.
 (The avx2 figure there is an earlier AVX2 decode.) On 2 cores of an AMD EPYC with AVX2, no AVX-512 (Zen 3,
-read bandwidth 31-36 GB/s read in turns with the decode), avx2 with scaled tables, two sums per row, the even
-words moved up by a multiply (the shuffle pipes are the limit: 5.2 cycles a block) and huge pages: decode
-15.1-16.3 GB/s (42-50 %; median 7.1-9.0 ms per layer); prefill, with tiles of 4 tokens, 247-285 tokens/s
-(52-60 GMAC/s); scalar 1.0 GB/s, 9.5 tokens/s. docs/benchmarks.md section 6 has the details.
+read bandwidth 28-38 GB/s read in turns with the decode), avx2 with scaled tables, two sums per row, the even
+words moved up by a multiply, a decode step's blocks in pairs (the shuffle pipes are the limit: 4.9 cycles a
+block) and huge pages: decode 15.8-17.6 GB/s (45-58 %; median 6.6-8.6 ms per layer); prefill, with tiles of
+4 tokens, 229-253 tokens/s (49-54 GMAC/s); scalar 1.0 GB/s, 9.5 tokens/s. docs/benchmarks.md section 6 has
+the details.
 """
 import ctypes
 import functools
@@ -112,7 +114,7 @@ def _library(variant: str, cc: Optional[str], cache_dir: str):
     try:
         lib = ctypes.CDLL(build(variant, cc, cache_dir))
         lib.he_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_int, ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.he_run.restype = ctypes.c_int
         lib.he_variant.restype = ctypes.c_char_p
         lib.he_act_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -229,19 +231,27 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_HUGEPAGE) == 0
 
 
-def _order(kind: str, variant: str) -> int:
+def _order(kind: str, variant: str, one_row: bool = False) -> int:
     """The kernel's activation order: 0 as is (fp8), 1 each 32 as its even then odd elements (fp4: the low
     and high nibbles of the block's 16 bytes), 2 each 128 as [8, 16] (fp4 on avx512: element 8 d + q at
     16 q + d, nibble q of the 64-byte load's dword d), K padded with zeros to a multiple of 128, 3 each 32 as
-    [4, 2, 4] (fp4 on avx2: element 16 h + 4 d + 2 i + l at 8 (2 h + i) + 4 l + d, lane 4 l + d of vector
-    2 h + i, l the nibble)."""
-    return 0 if kind == "fp8" else {"avx512": 2, "avx2": 3}.get(variant, 1)
+    [4, 2, 4] (fp4 on avx2: element 16 h + 4 d + 2 i + p at 8 (2 h + i) + 4 p + d, lane 4 p + d of vector
+    2 h + i, p the nibble), 4 each 64 as [2, 2, 2, 2, 4] (fp4 on avx2 when every expert has one row, a decode
+    step: two blocks l = 0, 1 in one load, element 16 h + 4 d + 2 i + p of block l at 8 (4 p + 2 h + i) +
+    4 l + d, lane 4 l + d of vector 4 p + 2 h + i; a last 32 of an odd count as in 3)."""
+    if kind == "fp8":
+        return 0
+    return {"avx512": 2, "avx2": 4 if one_row else 3}.get(variant, 1)
 
 
 def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
     """act_quant(x) dequantised to fp32 in the kernel's `order`: [M, K], or [M, K padded to 128] for 2.
     The specification of he_act_quant (host_experts.c), which makes the same numbers in one pass."""
-    a = quant_act(x, torch.float32)                                 # [M, K]
+    return _reordered(quant_act(x, torch.float32), order)           # [M, K]
+
+
+def _reordered(a: torch.Tensor, order: int) -> torch.Tensor:
+    """a [M, K] in the kernel's `order` (_order)."""
     m = a.shape[0]
     if order == 2:
         a = F.pad(a, (0, -a.shape[1] % 128))                        # [M, Kx]
@@ -249,7 +259,12 @@ def activations_torch(x: torch.Tensor, order: int) -> torch.Tensor:
     elif order == 1:
         a = a.view(m, -1, BLOCK // 2, 2).transpose(-1, -2)          # [M, K/32, 2, 16]
     elif order == 3:
-        a = a.view(m, -1, 2, 4, 2, 2).permute(0, 1, 2, 4, 5, 3)     # [M, K/32, h, i, l, d]
+        a = a.view(m, -1, 2, 4, 2, 2).permute(0, 1, 2, 4, 5, 3)     # [M, K/32, h, i, p, d]
+    elif order == 4:
+        pairs = a.shape[1] // 64 * 64
+        head = a[:, :pairs].reshape(m, -1, 2, 2, 4, 2, 2)           # [M, K/64, l, h, d, i, p]
+        head = head.permute(0, 1, 6, 3, 5, 2, 4).reshape(m, -1)     # [M, K/64, p, h, i, l, d]
+        return torch.cat([head, _reordered(a[:, pairs:], 3)], dim=1)
     return a.contiguous().view(m, -1)
 
 
@@ -268,7 +283,8 @@ def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, ki
             tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All projections of all experts in one kernel call -> fp32 [M, sum of N]: projection p's outputs in
     its own columns."""
-    a = _activations(lib, x, _order(kind, variant))                 # [M, Kx], or [N, Kx] with tokens
+    order = _order(kind, variant, one_row=max(counts, default=0) <= 1)
+    a = _activations(lib, x, order)                                 # [M, Kx], or [N, Kx] with tokens
     if tokens is not None and max(counts, default=0) > 1:          # an expert's rows must follow each other
         a, tokens = a[tokens], None                                 # [M, Kx]
     row = list(range(sum(counts))) if tokens is None else tokens.tolist()   # each row's row of a
@@ -287,10 +303,11 @@ def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, ki
         start += c
     table = torch.tensor(jobs, dtype=torch.int64)
     scratch = torch.empty(len(jobs) // 7 + 1, dtype=torch.int64)
-    rc = lib.he_run(table.data_ptr(), len(jobs) // 7, scratch.data_ptr(), k, FORMATS[kind],
+    rc = lib.he_run(table.data_ptr(), len(jobs) // 7, scratch.data_ptr(), k, FORMATS[kind], order,
                     torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"host experts: the kernel refused its arguments (k {k}, kind {kind})")
+        raise RuntimeError(f"host experts: the kernel refused its arguments (k {k}, kind {kind}, order "
+                           f"{order})")
     return y
 
 
