@@ -79,18 +79,24 @@ def auto_variant() -> str:
 def resolve(variant: Optional[str] = None) -> str:
     """`variant` (or $DSV4_HOST_EXPERTS, or auto) -> what runs: one of VARIANTS, or "torch" when the
     kernel cannot be built (after one notice)."""
+    return _resolved(variant)[0]
+
+
+def _resolved(variant: Optional[str]):
+    """resolve(variant) and its loaded kernel (None for torch)."""
     v = (variant or os.environ.get(ENV) or "auto").lower()
     if v == "auto":
         v = auto_variant()
     if v == "torch":
-        return v
+        return v, None
     if v not in VARIANTS:
         raise ValueError(f"host experts: unknown variant {v!r} (auto, torch, {', '.join(VARIANTS)})")
     runs = VARIANTS[VARIANTS.index(auto_variant()):]
     if v not in runs:                                               # its instructions would kill us (SIGILL)
         raise ValueError(f"host experts: variant {v!r} needs a CPU with {v.upper()}; this one has "
                          f"{torch.backends.cpu.get_cpu_capability()} (use {', '.join(runs)} or torch)")
-    return v if _library(v, _compiler(), _cache_dir()) is not None else "torch"
+    lib = _library(v, _compiler(), _cache_dir())
+    return (v, lib) if lib is not None else ("torch", None)
 
 
 def _compiler() -> Optional[str]:
@@ -103,7 +109,12 @@ def _default_compiler() -> Optional[str]:
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return _cache_dir_of(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_dir_of(xdg: Optional[str], home: Optional[str]) -> str:      # a call per kernel call: kept cheap
+    base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "dsv41", "host_experts")
 
 
@@ -324,11 +335,11 @@ def expert_linears_fp32(x: torch.Tensor, counts: Sequence[int], experts: Sequenc
     for w, s in projections:
         if not (w[0].is_contiguous() and s[0].is_contiguous()):        # rows at fixed strides per expert
             raise ValueError("host experts: each expert's weight and scale must be contiguous")
-    v = resolve(variant)
+    v, lib = _resolved(variant)
     if v == "torch":
         x = x if tokens is None else x[tokens]                      # [M, K]
         return [linear_torch(x, counts, experts, w, s, kind) for w, s in projections]
-    y = _native(_library(v, _compiler(), _cache_dir()), v, x, counts, experts, projections, kind, tokens)
+    y = _native(lib, v, x, counts, experts, projections, kind, tokens)
     return list(y.split([w.shape[1] for w, _ in projections], dim=1))
 
 
