@@ -257,16 +257,16 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
    activation: exact), and nothing multiplies by the scale afterwards. Two ways in:
    - tile_fp4, any number of tokens, a block (16 bytes) at a time: the bytes in both 128-bit lanes, the high
      lane shifted right by 4, so that byte j's low nibble is element 2j's code (low lane) or element 2j + 1's
-     (high lane); 11 vector instructions give the block's 4 vectors. Vector 2h + i, lane 4p + d holds
-     element 16h + 4d + 2i + p: the activations' order 3 (host_experts.py).
+     (high lane); 3 loads and 10 vector operations give the block's 4 vectors. Vector 2h + i, lane 4p + d
+     holds element 16h + 4d + 2i + p: the activations' order 3 (host_experts.py).
    - tile_fp4_pairs, one token (a decode step), two neighbouring blocks A, B at a time: one 32-byte load holds
      A in its low lane and B in the high one, so the low nibbles are the even elements of both and the high
      nibbles (each word shifted right by 4, by a multiply) the odd ones, looked up in one pair of tables per
-     two scale bytes, A's in the low lane and B's in the high one (PAIRS): 26 instructions for 8 vectors, 4
-     shuffles a block instead of 5 (the two shuffle pipes are the limit: Zen 3, a decode tile in L2, 4.9
-     cycles a block against 5.3). Vector 4p + 2h + i, lane 4l + d holds element 16h + 4d + 2i + p of block l:
-     order 4 (a last block of an odd count alone, in order 3). With several tokens the pair's tile was 13 %
-     slower than tile_fp4 (its 8 vectors, tables and sums want more than 16 registers).
+     two scale bytes, A's in the low lane and B's in the high one (PAIRS): 3 loads and 19 operations for 8
+     vectors, 4 shuffles a block instead of 5 (the two shuffle pipes are the limit: Zen 3, a decode tile in
+     L2, 4.9 cycles a block against 5.3). Vector 4p + 2h + i, lane 4l + d holds element 16h + 4d + 2i + p of
+     block l: order 4 (a last block of an odd count alone, in order 3). With several tokens the pair's tile
+     was 9-13 % slower than tile_fp4 (its 8 vectors, tables and sums want more than 16 registers).
    One token keeps two sums per row: one chain of dependent FMAs per row would wait on the FMA's latency
    rather than on the weights; a tile of several tokens has chains enough, and each decoded block feeds the
    FMAs of all of them. */
@@ -349,6 +349,20 @@ static inline __attribute__((always_inline)) __m256i nibbles(__m256i c, const in
     return _mm256_and_si256(_mm256_mulhi_epu16(c, by16), low);
 }
 
+/* the tile after next (R rows from w, k/2 bytes a row, and their scales), in step with block kb, one line
+   (4 blocks, 64 scale bytes) of each row at a time: R streams of k/2 bytes are too short for the hardware
+   prefetchers to find in time (past the end: no fault) */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *w, const uint8_t *s,
+                                                                 int64_t row_bytes, int64_t kb_n, int64_t kb,
+                                                                 const int R) {
+    if (kb % 4 == 0)
+        for (int r = 0; r < R; r++)
+            _mm_prefetch((const char *)(w + (2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
+    if (kb % 64 == 0)
+        for (int r = 0; r < R; r++)
+            _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64_t k, int64_t r0,
                                                            int64_t t0, const int R, const int T) {
     const int64_t kb_n = k / BLK, row_bytes = k / 2;
@@ -359,14 +373,7 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < kb_n; kb++) {
-        /* the tile after next, in step, one line (4 blocks, 64 scale bytes) of each row at a time: R streams
-           of k/2 bytes are too short for the hardware prefetchers to find in time (past the end: no fault) */
-        if (kb % 4 == 0)
-            for (int r = 0; r < R; r++)
-                _mm_prefetch((const char *)(w + (2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
-        if (kb % 64 == 0)
-            for (int r = 0; r < R; r++)
-                _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
+        prefetch_ahead(w, s, row_bytes, kb_n, kb, R);
         for (int r = 0; r < R; r++) {
             __m256 wv[4];
             e2m1_block(w + r * row_bytes + 16 * kb, s[r * kb_n + kb], wv, T == 1);
@@ -381,7 +388,7 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
             j->y[(t0 + t) * j->ldy + r0 + r] = vsum(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 
-/* One token, MXFP4 in pairs (activations in order 4): R rows, two sums per row (tile_fp4's prefetch) */
+/* One token, MXFP4 in pairs (activations in order 4): R rows, two sums per row */
 static inline __attribute__((always_inline)) void tile_fp4_pairs(const job_t *j, int64_t k, int64_t r0,
                                                                  const int R) {
     const int64_t kb_n = k / BLK, row_bytes = k / 2;
@@ -391,12 +398,7 @@ static inline __attribute__((always_inline)) void tile_fp4_pairs(const job_t *j,
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t kb = 0;
     for (; kb + 2 <= kb_n; kb += 2) {
-        if (kb % 4 == 0)
-            for (int r = 0; r < R; r++)
-                _mm_prefetch((const char *)(w + (2 * R + r) * row_bytes + 16 * kb), _MM_HINT_T0);
-        if (kb % 64 == 0)
-            for (int r = 0; r < R; r++)
-                _mm_prefetch((const char *)(s + (2 * R + r) * kb_n + kb), _MM_HINT_T0);
+        prefetch_ahead(w, s, row_bytes, kb_n, kb, R);
         for (int r = 0; r < R; r++) {
             __m256i hi, lo, c;
             pair_codes(w + r * row_bytes + 16 * kb, s + r * kb_n + kb, &hi, &lo, &c);
