@@ -273,8 +273,10 @@ static inline __attribute__((always_inline)) void tile_fp4(const job_t *j, int64
 
 /* SCALED[e][0][c], SCALED[e][1][c]: the high and low byte of the bf16 E2M1[c] x 2^(e - 127) (ue8m0).
    PAIRS[eA + 256 eB][h]: SCALED[eA][h] and SCALED[eB][h] side by side, the tables of a block pair with scale
-   bytes eA, eB (one 16-bit load of the two). 4 MiB, of which a layer reads the lines of the scale pairs it
-   holds: a few dozen where a checkpoint's block scales span a few powers of two, as trained weights' do. */
+   bytes eA, eB (one 16-bit load of the two). 4 MiB, made once, of which a layer reads the lines of the scale
+   pairs it holds: a few dozen where its block scales span a few powers of two (trained weights' usually do;
+   not yet seen on the released checkpoint). Scales spread over many more read it at random: slower, not
+   wrong. */
 static uint8_t SCALED[256][2][16];
 static uint8_t PAIRS[256 * 256][2][32] __attribute__((aligned(64)));
 static pthread_once_t scaled_once = PTHREAD_ONCE_INIT;
@@ -296,10 +298,10 @@ static void make_scaled(void) {
 }
 
 /* bf16 words -> the fp32 vectors of the even words (moved up) and of the odd ones (masked in place). For one
-   token the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the FMAs, leaving the
-   two pipes that shift and shuffle to the lookups (Zen 3, blocks one at a time: 5.7 -> 5.2 cycles a block);
-   the empty asm hides the constant so that the compiler does not turn the multiply back into a shift. A tile
-   of several tokens keeps the shift: its FMAs want those pipes (1-2 % slower with the multiply). */
+   token the even words go up by a multiply by 2^16, not a shift: vpmulld runs beside the shuffles, leaving
+   the two pipes that shift and shuffle to the lookups (Zen 3, blocks one at a time: 5.7 -> 5.2 cycles a
+   block); the empty asm hides the constant so that the compiler does not turn the multiply back into a shift.
+   A tile of several tokens keeps the shift: its FMAs want those pipes (1-2 % slower with the multiply). */
 static inline __attribute__((always_inline)) void words_fp32(__m256i b, __m256 *even, __m256 *odd,
                                                              const int by_multiply) {
     __m256i up = _mm256_set1_epi32(1 << 16);
