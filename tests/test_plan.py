@@ -342,6 +342,31 @@ def test_host_decode_estimate_arithmetic(released_host_table):
     assert decode_estimate(w2, 50.0, "given")["bytes_per_token"] == per_token   # MP reads the same bytes
 
 
+def test_cpu_only_decode_estimate_reads_the_rest_of_the_model(released_host_table):
+    """CPU only, a decode token also reads every other weight of the main layers and the head as the CPU path
+    holds it: counted here from the parameters' dtypes (FP8 / FP4 weights at 4 bytes per element, their scales
+    unread), not the planner's walk over Linear modules; not the embedding and Engram tables (rows), the
+    DSpark head, the ViT or the aligner."""
+    from inference.engine.memory import build_meta_model
+    from inference.tools.plan import decode_estimate
+    model = build_meta_model(ModelArgs.from_file(RELEASED_CONFIG), 1, 0, RuntimeOptions(experts_on="host"))
+    skip = ("embed.", "mtp.", "vision.", "aligner.", "image_")
+    read = 0
+    for name, p in model.named_parameters():
+        if name.startswith(skip) or ".engram.embed." in name or ".ffn.experts." in name:
+            continue
+        if p.dtype == torch.float8_e4m3fn:
+            read += p.numel() * 4
+        elif p.dtype == torch.float4_e2m1fn_x2:
+            read += p.numel() * 2 * 4                       # two elements a byte
+        elif p.dtype != torch.float8_e8m0fnu:
+            read += p.numel() * p.element_size()
+    d = decode_estimate(released_host_table["plan"], 50.0, "given")
+    assert d["cpu_only_other_bytes"] == read
+    assert 25 * GIB < read < 27 * GIB                       # 20.4 GiB of it fp32 copies of FP8 Linears
+    assert d["cpu_only_tokens_per_s"] == pytest.approx(50e9 / (d["bytes_per_token"] + read))
+
+
 def test_host_table_rows_for_seven_gpus_at_mp_1_and_2(released_host_table):
     """One row per GPU of HOST_GPUS at MP 1 then 2: the GPU holds the rest of the model, the node's host
     memory is every rank's routed experts and Engram tables plus the expert workspace of the chunk; with the
@@ -367,9 +392,11 @@ def test_host_table_rows_for_seven_gpus_at_mp_1_and_2(released_host_table):
     text = render_host_table(rows, released_host_table["cpu_only"],
                              {"bandwidth_gbps": 50.0, "bandwidth": "given", "bytes_per_token": 4_512_153_600,
                               "experts_per_token": 6, "expert_bytes": 18_800_640, "moe_layers": 40,
-                              "tokens_per_s": 11.08}, 1 << 20)
+                              "tokens_per_s": 11.08, "cpu_only_other_bytes": 27_697_321_408,
+                              "cpu_only_tokens_per_s": 1.55}, 1 << 20)
     assert text.count("| yes |") == 14
     assert "RTX 4090 24 GB | 1 | host | 1 | " in text and "at most 11.1 tokens/s" in text
+    assert "CPU only, the other weights too: + 27.697 GB a token" in text and "at most 1.6 tokens/s" in text
 
 
 def test_host_table_cpu_only_line(released_host_table):

@@ -158,6 +158,7 @@ class RankPlan:
     experts_on: str = "device"
     routed_bytes: int = 0               # every routed expert (HOST_EXPERTS), at its stored bytes
     dequant_bytes: int = 0              # fp32 copies of the other FP8/FP4 Linears, kept by the CPU path
+    cpu_decode_bytes: int = 0           # weight bytes a CPU decode token reads besides the routed experts
 
     @property
     def weights_bytes(self) -> int:
@@ -243,6 +244,32 @@ def dequant_copy_bytes(model: Transformer) -> int:
     it has used them (inference/kernels/numerics.py dequantized)."""
     return sum(m.in_features * m.out_features * 4 for name, m in model.named_modules()
                if isinstance(m, Linear) and m.kind in ("fp8", "fp4") and not HOST_EXPERTS.match(name + "."))
+
+
+# Read once per decode token by a CPU-only run besides the routed experts: the main layers' and the head's
+# parameters; not the embedding table nor the Engram tables (a few rows a token), nor the DSpark head, the ViT
+# or the aligner (speculation and images only).
+NOT_READ_PER_TOKEN = re.compile(r"^(embed\.|mtp\.|vision\.|aligner\.|image_(start|end|newline)$)|"
+                                r"\.engram\.embed\.")
+
+
+def cpu_decode_read_bytes(model: Transformer) -> int:
+    """Weight bytes one decode token reads on the CPU path besides the routed experts: each parameter as held
+    (NOT_READ_PER_TOKEN aside), an FP8/FP4 Linear as the fp32 copy it computes from (4 bytes a weight, its
+    stored bytes and scales unread)."""
+    quantized = {name: m for name, m in model.named_modules()
+                 if isinstance(m, Linear) and m.kind in ("fp8", "fp4")}
+    total = 0
+    for name, p in model.named_parameters():
+        if HOST_EXPERTS.match(name) or NOT_READ_PER_TOKEN.search(name):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        m = quantized.get(owner)
+        if m is None:
+            total += nbytes(p)
+        elif leaf == "weight":
+            total += m.in_features * m.out_features * 4
+    return total
 
 
 def host_expert_workspace(args: ModelArgs, tokens: int) -> int:
@@ -417,7 +444,8 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
                                                                       prefill_len, on_gpu).items()})
         plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on,
                                    experts_on=opts.experts_on, routed_bytes=routed_expert_bytes(model),
-                                   dequant_bytes=dequant_copy_bytes(model)))
+                                   dequant_bytes=dequant_copy_bytes(model),
+                                   cpu_decode_bytes=cpu_decode_read_bytes(model)))
     return plan
 
 

@@ -20,7 +20,10 @@ the Engram tables with --engram-on host, the expert kernel's workspace for a chu
 everything in host memory, prefill chunks of C or 2,048 tokens, at --max-seq-len or 65,536 positions); and a
 batch-1 decode bound: the host's read bandwidth (--host-bandwidth GB/s, else measured with
 inference.tools.bench_experts.read_bandwidth) over the routed-expert bytes a token reads (top-k experts of
-every MoE layer, at their stored bytes incl. scales).
+every MoE layer, at their stored bytes incl. scales); for the CPU-only run, over those and the other weights a
+token reads as the CPU path holds them (the main layers and the head; FP8/FP4 Linears as their fp32 copies:
+inference/engine/memory.py cpu_decode_read_bytes), 27.7 GB a token at the released size against 4.5 of
+experts.
 
 Weights and caches are exact (the model is built on the meta device for every rank); the activation
 workspace is a stated estimate of the torch code path (inference/engine/memory.py lists its terms). The
@@ -207,9 +210,12 @@ def decode_estimate(plan: MemoryPlan, bandwidth: float, source: str) -> dict:
     routed = sum(r.weights["routed_experts"] for r in plan.ranks) * plan.world_size // len(plan.ranks)
     per_expert = routed // (a.n_layers * a.n_routed_experts)
     per_token = a.n_activated_experts * per_expert * a.n_layers
+    # CPU only (MP 1 plans one rank): the rest of the model is read from host memory too, every token
+    dense = sum(r.cpu_decode_bytes for r in plan.ranks) * plan.world_size // len(plan.ranks)
     return {"bandwidth_gbps": bandwidth, "bandwidth": source, "expert_bytes": per_expert,
             "moe_layers": a.n_layers, "experts_per_token": a.n_activated_experts,
-            "bytes_per_token": per_token, "tokens_per_s": bandwidth * 1e9 / per_token}
+            "bytes_per_token": per_token, "tokens_per_s": bandwidth * 1e9 / per_token,
+            "cpu_only_other_bytes": dense, "cpu_only_tokens_per_s": bandwidth * 1e9 / (per_token + dense)}
 
 
 def host_row(cp: ContextPlan, name: str, cap: int, chunk: Optional[int], limit: int) -> dict:
@@ -289,7 +295,10 @@ def render_host_table(rows: List[dict], cpu: dict, decode: dict, limit: int) -> 
     lines.append(f"decode, batch 1: {d['bandwidth_gbps']:.1f} GB/s of host reads ({d['bandwidth']}) / "
                  f"{d['bytes_per_token'] / 1e9:.3f} GB of routed experts per token ({d['experts_per_token']} "
                  f"experts x {d['expert_bytes']:,} B x {d['moe_layers']} MoE layers) = at most "
-                 f"{d['tokens_per_s']:.1f} tokens/s (the GPU's share of a step not counted)")
+                 f"{d['tokens_per_s']:.1f} tokens/s (the GPU's share of a step not counted); CPU only, "
+                 f"the other weights too: + {d['cpu_only_other_bytes'] / 1e9:.3f} GB a token as the CPU path "
+                 f"holds them (FP8/FP4 Linears as fp32 copies) = at most {d['cpu_only_tokens_per_s']:.1f} "
+                 "tokens/s")
     return "\n".join(lines)
 
 
