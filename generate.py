@@ -122,6 +122,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "memory, host memory or mapped from the shard file; looked-up rows are copied (same results)")
     add("--experts-on", choices=["device", "host"], default="device", help="host: the routed experts stay in "
         "host memory at stored precision, computed there by the host-expert kernel (one GPU holds the rest)")
+    add("--cpu-linears", choices=["fp32", "stored"], default="fp32", help="with --experts-on host on the "
+        "CPU: stored = the other FP8/FP4 Linears computed from their stored bytes too (no fp32 copies: a "
+        "quarter of their memory and decode reads; the host kernel's summation order)")
     add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
     add("--cuda-graph", action="store_true", help="decode steps as CUDA graphs, one per batch size, length "
@@ -192,6 +195,8 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
         (o.offload == "disk" and o.device != "cpu", f"--offload disk runs on the CPU (not {o.device})"),
         (o.offload == "disk" and o.experts_on == "host", "--offload disk streams the experts from disk: "
          "not with --experts-on host"),
+        (o.cpu_linears == "stored" and o.device != "cpu", f"--cpu-linears stored computes the Linears "
+         f"held on the CPU: not with --device {o.device}"),
         (o.cuda_graph and o.experts_on == "host", "--cuda-graph replays decode steps on the GPU alone: not "
          "with --experts-on host (the host computes the experts)"),
         (o.cuda_graph and (o.score or o.speculative != "none"),
@@ -209,7 +214,7 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        kernel_build=o.kernel_build,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on,
-                                       experts_on=o.experts_on)
+                                       experts_on=o.experts_on, cpu_linears=o.cpu_linears)
 
 
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:

@@ -198,6 +198,7 @@ class ModelArgs:
 
 ENGRAM_PLACEMENTS = ("device", "host", "disk")
 EXPERT_PLACEMENTS = ("device", "host")
+CPU_LINEARS = ("fp32", "stored")
 KERNEL_BUILDS = ("default", "plain")       # inference/kernels/tilelang_ops.py SETTINGS
 ORDERS = ("auto", "exact", "fast", "invariant")
 # --numerics: words over the three axes of RuntimeOptions (rounding points: reference or golden; the
@@ -231,6 +232,11 @@ class RuntimeOptions:
     # precision, computed there by the host-expert kernel; a GPU holds everything else). docs/numerics.md
     # says how far its summation order lies from the reference's.
     experts_on: str = "device"
+    # How the FP8/FP4 Linears other than the routed experts are computed on the CPU: fp32 (from an exact fp32
+    # copy of the weight, made once and kept: 4 bytes a weight) or stored (from the stored bytes by the
+    # host-expert kernel, no copy: a quarter of the memory and of the bytes a decode step reads, the kernel's
+    # summation order; goes with experts_on host). docs/numerics.md states its distance.
+    cpu_linears: str = "fp32"
 
     @classmethod
     def from_profile(cls, numerics: str = "reference", **kw) -> "RuntimeOptions":
@@ -267,12 +273,18 @@ class RuntimeOptions:
         if opts.experts_on not in EXPERT_PLACEMENTS:
             raise ConfigError(f"unknown expert placement {opts.experts_on!r} (expected one of "
                               f"{', '.join(EXPERT_PLACEMENTS)})")
+        if opts.cpu_linears not in CPU_LINEARS:
+            raise ConfigError(f"unknown CPU Linear form {opts.cpu_linears!r} (expected one of "
+                              f"{', '.join(CPU_LINEARS)})")
         opts.fix_index_k_publish = opts.fix_index_k_publish or "fixed" in words
         opts.golden = opts.golden or "golden" in words
         if opts.experts_on == "host" and (opts.golden or opts.order == "invariant"):
             raise ConfigError(f"--experts-on host sums the routed experts in the host kernel's order, with "
                               f"the reference's rounding points: not with --numerics "
                               f"{'golden' if opts.golden else 'invariant'}")
+        if opts.cpu_linears == "stored" and opts.experts_on != "host":
+            raise ConfigError("--cpu-linears stored computes the other Linears as --experts-on host computes "
+                              "the routed experts, and goes with it")
         return opts
 
 

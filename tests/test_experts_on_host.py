@@ -30,20 +30,24 @@ def first_moe(model) -> MoE:
     return next(m for m in model.modules() if isinstance(m, MoE))
 
 
-@pytest.mark.parametrize("numerics", ["fast"])
-def test_fixture_logits_inside_the_fast_floor(numerics):
+@pytest.mark.parametrize("numerics, cpu_linears", [("fast", "fp32"), ("fast", "stored"), ("exact", "stored")])
+def test_fixture_logits_inside_the_fast_floor(numerics, cpu_linears):
     """Teacher-forced on the fixture with the experts on the host: max |d| <= 0.25, mean <= 0.03 against the
     reference's logits, its argmax wherever the reference's top-1/top-2 margin exceeds 0.5; the DSpark head's
-    too. (The default rounding points: the CLI's scoring below.)"""
+    too. With --cpu-linears stored the other FP8/FP4 Linears come from their stored bytes as well, and no
+    fp32 copy of any is made. (The default rounding points: the CLI's scoring below.)"""
     from test_model_fixture import run_teacher_forced
-    model = fixture_model(RuntimeOptions.from_profile(numerics, experts_on="host"))
+    from inference.layers import Linear
+    model = fixture_model(RuntimeOptions.from_profile(numerics, experts_on="host", cpu_linears=cpu_linears))
     assert isinstance(first_moe(model).routed, HostExperts)
     ref = fixture_tensors("reference_logits")
     logits, drafts = run_teacher_forced(model, ref)
     want = ref["step_logits"]
     d = (logits - want).abs()
-    print(f"{numerics}, experts on the host ({he.kernel_variant()}): max |d| {d.max():.4f} "
-          f"mean {d.mean():.5f}")
+    print(f"{numerics}, --cpu-linears {cpu_linears}, experts on the host ({he.kernel_variant()}): max |d| "
+          f"{d.max():.4f} mean {d.mean():.5f}")
+    copies = sum(len(m.derived) for m in model.modules() if isinstance(m, Linear) and m.kind in he.FORMATS)
+    assert (copies == 0) == (cpu_linears == "stored")
     assert d.max() <= 0.25 and d.mean() <= 0.03
     top2 = want.topk(2, dim=-1).values
     clear = top2[..., 0] - top2[..., 1] > 0.5
@@ -167,6 +171,15 @@ def test_placements_that_exclude_it_are_refused():
             RuntimeOptions.from_profile(words, experts_on="host")
     with pytest.raises(ConfigError, match="unknown expert placement 'gpu'"):
         RuntimeOptions.from_profile("reference", experts_on="gpu")
+    with pytest.raises(ConfigError, match="--cpu-linears stored computes the other Linears as --experts-on "
+                                          "host computes the routed experts, and goes with it"):
+        RuntimeOptions.from_profile("fast", cpu_linears="stored")
+    with pytest.raises(ConfigError, match="unknown CPU Linear form 'fp16'"):
+        RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="fp16")
+    from inference.kernels import numerics_for
+    with pytest.raises(ConfigError, match="--cpu-linears stored computes the Linears held on the CPU; this "
+                                          "model is on cuda"):
+        numerics_for(RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="stored"), "cuda")
 
 
 def fixture_args():
@@ -176,7 +189,9 @@ def fixture_args():
 
 @pytest.mark.parametrize("extra, line", [
     (["--offload", "disk"], "--offload disk streams the experts from disk: not with --experts-on host"),
-    (["--numerics", "golden"], "not with --numerics golden")])
+    (["--numerics", "golden"], "not with --numerics golden"),
+    (["--cpu-linears", "stored", "--device", "cuda:0"], "--cpu-linears stored computes the Linears held on "
+                                                        "the CPU: not with --device cuda:0")])
 def test_the_cli_names_a_clash_in_one_line(extra, line, tmp_path):
     (tmp_path / "p.txt").write_text("hello\n")
     proc = run_cli(fixture_args() + ["--experts-on", "host", "--input-file", str(tmp_path / "p.txt")] + extra)

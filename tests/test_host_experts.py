@@ -96,6 +96,36 @@ def test_a_decode_step_matches_spec_within_the_summation_bound(variant, kind, n,
     assert ((got.double() - spec.double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("variant", NATIVE + ["torch"])
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_a_linear_from_its_stored_bytes(variant, kind, lead):
+    """--cpu-linears stored: a Linear's FP8/FP4 GEMM from its stored bytes (stored_linear, [..., K] ->
+    [..., N] bf16, leading dims kept) against the fast order's GEMM on the exact fp32 copy (fast.gemm):
+    within the summation bound and one bf16 ulp; the StoredLinears order makes no copy."""
+    from inference.config import RuntimeOptions
+    from inference.kernels import numerics_for
+    from inference.kernels.fast import gemm
+    from inference.kernels.numerics import Derived, Held
+    gen = torch.Generator().manual_seed(len(lead) + 7 * (kind == "fp8"))
+    n, k = 70, 160
+    w, s = stored(kind, 1, n, k, gen)
+    x = (torch.randn(*lead, k, generator=gen) * 3).bfloat16()
+    weight = w[0].view(torch.float8_e4m3fn) if kind == "fp8" else w[0].view(torch.float4_e2m1fn_x2)
+    scale = s[0].view(torch.float8_e8m0fnu)
+    want = gemm(x, dequant_weight(weight, scale, kind, torch.float32))          # [..., N] bf16
+    got = he.stored_linear(x, weight, scale, kind, variant)
+    rows = x.reshape(-1, k)
+    bound = 2 * (k - 1) * U / (1 - (k - 1) * U) * abs_products(rows, [rows.shape[0]], [0], w, s, kind)
+    ulp = bf16_ulp(torch.maximum(got.double().abs(), want.double().abs())).view(-1, n)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert ((got.double() - want.double()).abs().view(-1, n) <= bound + ulp).all()
+    nx = numerics_for(RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="stored"), "cpu")
+    held = Held(weight, scale, kind, Derived())
+    assert torch.equal(nx.linear(held, x), he.stored_linear(x, weight, scale, kind))
+    assert len(held.derived) == 0
+
+
 def test_the_kernel_refuses_activations_in_another_order():
     """he_run checks the order its caller quantised the activations in (_order): MXFP4 in the build's own,
     FP8 in 0, and on AVX2 order 4 (blocks in pairs) for jobs of one row only; else -1, nothing written."""

@@ -351,10 +351,11 @@ def test_cpu_only_decode_estimate_reads_the_rest_of_the_model(released_host_tabl
     from inference.tools.plan import decode_estimate
     model = build_meta_model(ModelArgs.from_file(RELEASED_CONFIG), 1, 0, RuntimeOptions(experts_on="host"))
     skip = ("embed.", "mtp.", "vision.", "aligner.", "image_")
-    read = 0
+    read = stored = 0
     for name, p in model.named_parameters():
         if name.startswith(skip) or ".engram.embed." in name or ".ffn.experts." in name:
             continue
+        stored += p.numel() * p.element_size()
         if p.dtype == torch.float8_e4m3fn:
             read += p.numel() * 4
         elif p.dtype == torch.float4_e2m1fn_x2:
@@ -365,6 +366,12 @@ def test_cpu_only_decode_estimate_reads_the_rest_of_the_model(released_host_tabl
     assert d["cpu_only_other_bytes"] == read
     assert 25 * GIB < read < 27 * GIB                       # 20.4 GiB of it fp32 copies of FP8 Linears
     assert d["cpu_only_tokens_per_s"] == pytest.approx(50e9 / (d["bytes_per_token"] + read))
+    # --cpu-linears stored: those Linears read as stored (scales included), no copy held
+    assert d["cpu_only_stored_other_bytes"] == stored and 10 * GIB < stored < 11 * GIB
+    assert d["cpu_only_stored_tokens_per_s"] == pytest.approx(50e9 / (d["bytes_per_token"] + stored))
+    args = ModelArgs.from_file(RELEASED_CONFIG, max_batch_size=1, max_seq_len=4096)
+    plan = plan_memory(args, 1, RuntimeOptions(experts_on="host", cpu_linears="stored"), on_gpu=False)
+    assert plan.worst.dequant_bytes == 0 and released_host_table["cpu_only"]["dequant_bytes"] > 20 * GIB
 
 
 def test_host_table_rows_for_seven_gpus_at_mp_1_and_2(released_host_table):
@@ -393,10 +400,12 @@ def test_host_table_rows_for_seven_gpus_at_mp_1_and_2(released_host_table):
                              {"bandwidth_gbps": 50.0, "bandwidth": "given", "bytes_per_token": 4_512_153_600,
                               "experts_per_token": 6, "expert_bytes": 18_800_640, "moe_layers": 40,
                               "tokens_per_s": 11.08, "cpu_only_other_bytes": 27_697_321_408,
-                              "cpu_only_tokens_per_s": 1.55}, 1 << 20)
+                              "cpu_only_tokens_per_s": 1.55, "cpu_only_stored_other_bytes": 11_219_000_000,
+                              "cpu_only_stored_tokens_per_s": 3.18}, 1 << 20)
     assert text.count("| yes |") == 14
     assert "RTX 4090 24 GB | 1 | host | 1 | " in text and "at most 11.1 tokens/s" in text
     assert "CPU only, the other weights too: + 27.697 GB a token" in text and "at most 1.6 tokens/s" in text
+    assert "with --cpu-linears stored (no copies, 22.20 GiB less memory) + 11.219 GB = at most 3.2" in text
 
 
 def test_host_table_cpu_only_line(released_host_table):

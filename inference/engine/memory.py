@@ -48,7 +48,8 @@ workspace is the one above; what crosses per call, the tokens' [n, D] bf16 hidde
 MARGIN. The host adds a workspace: per call of n tokens (all rows) n * top-k * (2 * moe_inter_dim + dim) * 4
 bytes (every row's fp32 gate and up and its output; a bound for one rank, all k experts of a token being its
 own), times MARGIN. A CPU-only run is the same placement with everything on the CPU: it also holds the fp32
-copies of the other FP8/FP4 weights that the CPU path keeps once used (`dequant_bytes`).
+copies of the other FP8/FP4 weights that the CPU path keeps once used (`dequant_bytes`), none with
+--cpu-linears stored (RuntimeOptions.cpu_linears: those Linears computed from their stored bytes too).
 
 Released config at W = 1 against the Hugging Face checkpoint's 510,286,023,000 tensor bytes: the plan gives
 513,149,074,264 bytes (+0.56 %), the difference being, line by line, `wo_a` dequantized to bf16 with its
@@ -64,7 +65,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import ModelArgs, RuntimeOptions
+from ..config import CPU_LINEARS, ModelArgs, RuntimeOptions
 from ..engram import EngramHasher
 from ..layers import Linear
 from ..model import Transformer
@@ -158,7 +159,8 @@ class RankPlan:
     experts_on: str = "device"
     routed_bytes: int = 0               # every routed expert (HOST_EXPERTS), at its stored bytes
     dequant_bytes: int = 0              # fp32 copies of the other FP8/FP4 Linears, kept by the CPU path
-    cpu_decode_bytes: int = 0           # weight bytes a CPU decode token reads besides the routed experts
+    # weight bytes a CPU decode token reads besides the routed experts, per --cpu-linears form
+    cpu_decode_bytes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def weights_bytes(self) -> int:
@@ -253,10 +255,10 @@ NOT_READ_PER_TOKEN = re.compile(r"^(embed\.|mtp\.|vision\.|aligner\.|image_(star
                                 r"\.engram\.embed\.")
 
 
-def cpu_decode_read_bytes(model: Transformer) -> int:
+def cpu_decode_read_bytes(model: Transformer, cpu_linears: str = "fp32") -> int:
     """Weight bytes one decode token reads on the CPU path besides the routed experts: each parameter as held
-    (NOT_READ_PER_TOKEN aside), an FP8/FP4 Linear as the fp32 copy it computes from (4 bytes a weight, its
-    stored bytes and scales unread)."""
+    (NOT_READ_PER_TOKEN aside); with cpu_linears fp32 an FP8/FP4 Linear as the fp32 copy it computes from (4
+    bytes a weight, its stored bytes and scales unread), with stored as held."""
     quantized = {name: m for name, m in model.named_modules()
                  if isinstance(m, Linear) and m.kind in ("fp8", "fp4")}
     total = 0
@@ -264,7 +266,7 @@ def cpu_decode_read_bytes(model: Transformer) -> int:
         if HOST_EXPERTS.match(name) or NOT_READ_PER_TOKEN.search(name):
             continue
         owner, _, leaf = name.rpartition(".")
-        m = quantized.get(owner)
+        m = quantized.get(owner) if cpu_linears == "fp32" else None
         if m is None:
             total += nbytes(p)
         elif leaf == "weight":
@@ -444,8 +446,9 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
                                                                       prefill_len, on_gpu).items()})
         plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on,
                                    experts_on=opts.experts_on, routed_bytes=routed_expert_bytes(model),
-                                   dequant_bytes=dequant_copy_bytes(model),
-                                   cpu_decode_bytes=cpu_decode_read_bytes(model)))
+                                   dequant_bytes=dequant_copy_bytes(model) if opts.cpu_linears == "fp32"
+                                   else 0, cpu_decode_bytes={form: cpu_decode_read_bytes(model, form)
+                                                             for form in CPU_LINEARS}))
     return plan
 
 
@@ -542,10 +545,11 @@ def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) 
         if not device.startswith("cuda"):       # no reserve or GPU workspace; the CPU path caches more
             if plan.experts_on == "host":
                 experts = plan.host_workspace(plan.prefill_len * a.max_batch_size)
+                copies = (f"{gib(r.dequant_bytes)} fp32 copies of the other quantized weights (kept once "
+                          f"used)" if r.dequant_bytes else "no copies of the other weights")
                 return (f"memory plan (rank {r.rank} of {plan.world_size}, experts on host): "
                         f"{gib(r.weights_bytes)} weights ({gib(r.routed_bytes)} of them routed experts at "
-                        f"their stored bytes) + {gib(r.dequant_bytes)} fp32 copies of the other quantized "
-                        f"weights (kept once used) + {gib(r.cache_bytes)} caches on {device}, plus the "
+                        f"their stored bytes) + {copies} + {gib(r.cache_bytes)} caches on {device}, plus the "
                         f"workspace of a call ({gib(experts)} for the experts of a one-call prefill of "
                         f"{plan.prefill_len:,} x {a.max_batch_size})")
             return (f"memory plan (rank {r.rank} of {plan.world_size}): {gib(r.weights_bytes)} weights + "

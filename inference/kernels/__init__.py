@@ -16,6 +16,8 @@ How the order is picked, from RuntimeOptions and the model's device:
     torch, order = exact|fast|invariant   that order; order = auto: exact on CPU, fast on CUDA
     order = invariant           invariant, whatever the backend (it is a definition of the numbers)
 Golden numerics (fp32 everywhere, no quantization) always run the torch kernels.
+cpu_linears = stored (CPU only, with the experts on the host) gives exact or fast with their FP8/FP4 Linears
+computed from the stored bytes by the host-expert kernel (host_experts.py StoredLinears).
 """
 import functools
 import importlib.util
@@ -25,6 +27,7 @@ import torch
 
 from ..config import ORDERS, ConfigError, RuntimeOptions
 from .fast import Fast
+from .host_experts import ExactStoredLinears, FastStoredLinears
 from .invariant import Invariant
 from .numerics import Derived, Numerics, drop_derived
 from .reference import Exact
@@ -114,9 +117,14 @@ def numerics_for(opts: RuntimeOptions, device) -> Numerics:
     that is never asked to compute."""
     if torch.device(device).type == "meta":          # a memory plan: shapes only, never a kernel call
         return (Invariant if opts.order == "invariant" else Fast)(opts.golden, device)
+    if opts.cpu_linears == "stored" and torch.device(device).type != "cpu":
+        raise ConfigError(f"--cpu-linears stored computes the Linears held on the CPU; this model is on "
+                          f"{device}")
     check_backend(opts, device)
     path = route(opts, device)
     if path == "tilelang":
         from .tilelang_ops import TileLang     # compiles kernels on first use: only when the route is taken
         return TileLang(opts.golden, device, opts.kernel_build)
+    if opts.cpu_linears == "stored":           # golden and invariant are refused with it (RuntimeOptions)
+        return {"exact": ExactStoredLinears, "fast": FastStoredLinears}[path](opts.golden, device)
     return {"exact": Exact, "fast": Fast, "invariant": Invariant}[path](opts.golden, device)

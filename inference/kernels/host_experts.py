@@ -23,6 +23,10 @@ auto. A native variant beyond what the CPU runs (torch's view of it, as auto's) 
 ValueError) rather than dying of SIGILL. When the kernel cannot be built (no compiler: $CC, else cc or gcc),
 one line on stderr says so, once per process (and variant asked for), and the torch path runs.
 
+The same kernel computes the model's other FP8/FP4 Linears on the CPU with --cpu-linears stored
+(stored_linear, one Linear as one expert; the StoredLinears orders at the end of this file), so no fp32 copy
+of them is made.
+
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
 Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
 sum over 2 GiB, 47-83 GB/s from run to run, mostly ~51): batch-1 decode of one released-geometry layer (6 of
@@ -50,7 +54,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .fast import dequant_weight, quant_act
+from .fast import Fast, dequant_weight, quant_act
+from .reference import Exact
 
 BLOCK = 32
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_experts.c")
@@ -383,3 +388,36 @@ def expert_swiglu(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int]
 def kernel_variant(variant: Optional[str] = None) -> str:
     """What expert_linear runs with these settings: a native variant, or torch."""
     return resolve(variant)
+
+
+# ---- the other Linears from their stored bytes (--cpu-linears stored) ----
+
+def stored_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kind: str,
+                  variant: Optional[str] = None) -> torch.Tensor:
+    """An FP8/FP4 Linear computed from its stored bytes, as one expert of expert_linear: x [..., K] bf16,
+    weight [N, K] E4M3 or [N, K/2] MXFP4 bytes with their scales as stored -> [..., N] bf16."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)                                           # [M, K]
+    y = expert_linear(x2, [x2.shape[0]], [0], weight.unsqueeze(0), scale.unsqueeze(0), kind, variant)
+    return y.view(*lead, y.shape[-1])                               # [..., N]
+
+
+class StoredLinears:
+    """An order's FP8/FP4 Linears held on the CPU computed by the host-expert kernel from their stored bytes
+    (RuntimeOptions.cpu_linears = "stored"): no fp32 copy is made, a decode step reads 1 byte a weight (FP8)
+    instead of the copy's 4, and the products are the order's own, summed in the kernel's order. Everything
+    else is the order's (Exact or Fast, below)."""
+
+    def quant_linear(self, held, x):
+        if held.weight.device.type != "cpu" or held.kind not in FORMATS:
+            return super().quant_linear(held, x)
+        return stored_linear(x, held.weight, held.scale, held.kind)
+
+
+class ExactStoredLinears(StoredLinears, Exact):
+    name = "exact"
+
+
+class FastStoredLinears(StoredLinears, Fast):
+    name = "fast"
+

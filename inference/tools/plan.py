@@ -45,7 +45,7 @@ import sys
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from ..config import ENGRAM_PLACEMENTS, EXPERT_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
+from ..config import CPU_LINEARS, ENGRAM_PLACEMENTS, EXPERT_PLACEMENTS, ConfigError, ModelArgs, RuntimeOptions
 from ..engine.memory import (GPUS, HOST_GPUS, LABELS, WEIGHT_GROUPS, ContextPlan, MemoryPlan, PlanError,
                               context_plan, fix_hint, gib, parse_bytes, plan_memory, workspace_bytes)
 
@@ -210,12 +210,17 @@ def decode_estimate(plan: MemoryPlan, bandwidth: float, source: str) -> dict:
     routed = sum(r.weights["routed_experts"] for r in plan.ranks) * plan.world_size // len(plan.ranks)
     per_expert = routed // (a.n_layers * a.n_routed_experts)
     per_token = a.n_activated_experts * per_expert * a.n_layers
-    # CPU only (MP 1 plans one rank): the rest of the model is read from host memory too, every token
-    dense = sum(r.cpu_decode_bytes for r in plan.ranks) * plan.world_size // len(plan.ranks)
-    return {"bandwidth_gbps": bandwidth, "bandwidth": source, "expert_bytes": per_expert,
-            "moe_layers": a.n_layers, "experts_per_token": a.n_activated_experts,
-            "bytes_per_token": per_token, "tokens_per_s": bandwidth * 1e9 / per_token,
-            "cpu_only_other_bytes": dense, "cpu_only_tokens_per_s": bandwidth * 1e9 / (per_token + dense)}
+    out = {"bandwidth_gbps": bandwidth, "bandwidth": source, "expert_bytes": per_expert,
+           "moe_layers": a.n_layers, "experts_per_token": a.n_activated_experts,
+           "bytes_per_token": per_token, "tokens_per_s": bandwidth * 1e9 / per_token}
+    # CPU only (MP 1 plans one rank): the rest of the model is read from host memory too, every token, as
+    # each --cpu-linears form holds it
+    for form in CPU_LINEARS:
+        other = sum(r.cpu_decode_bytes[form] for r in plan.ranks) * plan.world_size // len(plan.ranks)
+        key = "cpu_only" if form == "fp32" else f"cpu_only_{form}"
+        out.update({f"{key}_other_bytes": other,
+                    f"{key}_tokens_per_s": bandwidth * 1e9 / (per_token + other)})
+    return out
 
 
 def host_row(cp: ContextPlan, name: str, cap: int, chunk: Optional[int], limit: int) -> dict:
@@ -298,7 +303,9 @@ def render_host_table(rows: List[dict], cpu: dict, decode: dict, limit: int) -> 
                  f"{d['tokens_per_s']:.1f} tokens/s (the GPU's share of a step not counted); CPU only, "
                  f"the other weights too: + {d['cpu_only_other_bytes'] / 1e9:.3f} GB a token as the CPU path "
                  f"holds them (FP8/FP4 Linears as fp32 copies) = at most {d['cpu_only_tokens_per_s']:.1f} "
-                 "tokens/s")
+                 f"tokens/s; with --cpu-linears stored (no copies, {gib(cpu['dequant_bytes'])} less memory) "
+                 f"+ {d['cpu_only_stored_other_bytes'] / 1e9:.3f} GB = at most "
+                 f"{d['cpu_only_stored_tokens_per_s']:.1f} tokens/s")
     return "\n".join(lines)
 
 
