@@ -88,8 +88,16 @@ def resolve(variant: Optional[str] = None) -> str:
 
 
 def _resolved(variant: Optional[str]):
-    """resolve(variant) and its loaded kernel (None for torch)."""
-    v = (variant or os.environ.get(ENV) or "auto").lower()
+    """resolve(variant) and its loaded kernel (None for torch). Looked up once per setting: a decode step
+    asks once per Linear."""
+    env = os.environ.get
+    return _resolved_for(variant or env(ENV) or "auto", torch.backends.cpu.get_cpu_capability(),
+                         _compiler(), _cache_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved_for(name: str, capability: str, cc: Optional[str], cache_dir: str):
+    v = name.lower()
     if v == "auto":
         v = auto_variant()
     if v == "torch":
@@ -99,8 +107,8 @@ def _resolved(variant: Optional[str]):
     runs = VARIANTS[VARIANTS.index(auto_variant()):]
     if v not in runs:                                               # its instructions would kill us (SIGILL)
         raise ValueError(f"host experts: variant {v!r} needs a CPU with {v.upper()}; this one has "
-                         f"{torch.backends.cpu.get_cpu_capability()} (use {', '.join(runs)} or torch)")
-    lib = _library(v, _compiler(), _cache_dir())
+                         f"{capability} (use {', '.join(runs)} or torch)")
+    lib = _library(v, cc, cache_dir)
     return (v, lib) if lib is not None else ("torch", None)
 
 
@@ -317,10 +325,10 @@ def _native(lib, variant: str, x: torch.Tensor, counts, experts, projections, ki
                          n, c, y.shape[1]]
             col += n
         start += c
-    table = torch.tensor(jobs, dtype=torch.int64)
-    scratch = torch.empty(len(jobs) // 7 + 1, dtype=torch.int64)
-    rc = lib.he_run(table.data_ptr(), len(jobs) // 7, scratch.data_ptr(), k, FORMATS[kind], order,
-                    torch.get_num_threads())
+    table = (ctypes.c_int64 * len(jobs))(*jobs)
+    scratch = (ctypes.c_int64 * (len(jobs) // 7 + 1))()
+    rc = lib.he_run(ctypes.addressof(table), len(jobs) // 7, ctypes.addressof(scratch), k, FORMATS[kind],
+                    order, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"host experts: the kernel refused its arguments (k {k}, kind {kind}, order "
                            f"{order})")
@@ -337,15 +345,15 @@ def expert_linears_fp32(x: torch.Tensor, counts: Sequence[int], experts: Sequenc
     experts."""
     _check(x, counts, experts, projections, kind, tokens)
     projections = [(w.view(torch.uint8), s.view(torch.uint8)) for w, s in projections]
-    for w, s in projections:
-        if not (w[0].is_contiguous() and s[0].is_contiguous()):        # rows at fixed strides per expert
+    for w, s in projections:                                       # rows at fixed strides per expert
+        if not all(t.is_contiguous() or t[0].is_contiguous() for t in (w, s)):
             raise ValueError("host experts: each expert's weight and scale must be contiguous")
     v, lib = _resolved(variant)
     if v == "torch":
         x = x if tokens is None else x[tokens]                      # [M, K]
         return [linear_torch(x, counts, experts, w, s, kind) for w, s in projections]
     y = _native(lib, v, x, counts, experts, projections, kind, tokens)
-    return list(y.split([w.shape[1] for w, _ in projections], dim=1))
+    return [y] if len(projections) == 1 else list(y.split([w.shape[1] for w, _ in projections], dim=1))
 
 
 def expert_linears(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
