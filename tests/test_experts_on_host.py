@@ -199,8 +199,9 @@ def test_the_cli_names_a_clash_in_one_line(extra, line, tmp_path):
 
 
 def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
-    """generate.py --score --experts-on host, at W = 1 and at W = 2 (each rank's experts on its host): inside
-    the bounds the device placement is held to (W = 2 reduces bf16 partials in another order)."""
+    """generate.py --score --experts-on host, at W = 1 and at W = 2 (each rank's experts on its host; there
+    with --cpu-linears stored, every FP8/FP4 Linear from its stored bytes): inside the bounds the device
+    placement is held to (W = 2 reduces bf16 partials in another order)."""
     ref = load_file(os.path.join(FIXTURE, "reference_logits.safetensors"))
     tensors = load_file(os.path.join(fixture_file(FIXTURE), "model0-mp1.safetensors"))
     from test_tensor_parallel import reshard
@@ -212,7 +213,8 @@ def test_scoring_through_the_cli_at_one_and_two_ranks(tmp_path):
         outs[w] = tmp_path / f"logits{w}.safetensors"
         proc = run_cli(["--ckpt-path", ckpt, "--config", os.path.join(FIXTURE, "config.json"),
                         "--device", "cpu", "--score", os.path.join(FIXTURE, "score.json"),
-                        "--experts-on", "host", "--dump-logits", str(outs[w])], nproc=w)
+                        "--experts-on", "host", "--dump-logits", str(outs[w])]
+                       + (["--cpu-linears", "stored"] if w == 2 else []), nproc=w)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_close_to_reference(load_file(str(outs[1]))["logits"], ref["step_logits"], 0.25, 0.03)
     assert_close_to_reference(load_file(str(outs[2]))["logits"], ref["step_logits"], 0.35, 0.05)
