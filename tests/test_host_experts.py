@@ -340,6 +340,10 @@ def test_bench_experts_runs_small(capsys):
     assert len(out["routed_decode_fraction_rounds"]) == 3
     assert all(out[k] > 0 for k in ("read_bandwidth_gbs", "routed_decode_gbs", "prefill_tokens_per_s",
                                     "peak_rss_bytes"))
+    times = bench_experts.fp8_linear([1, 3], torch.Generator().manual_seed(0), n=64, k=256, copies=2)
+    assert set(times) == {1, 3} and all(ms > 0 for pair in times.values() for ms in pair)
+    with pytest.raises(SystemExit, match="--linear takes token counts >= 1 joined by commas, got 1,0"):
+        bench_experts.main(["--linear", "1,0"])
     with pytest.raises(SystemExit, match=r"need 1 <= --rounds \(4\) <= --steps \(3\)"):
         bench_experts.main(["--steps", "3", "--rounds", "4"])
     with pytest.raises(SystemExit, match="--bandwidth-gib must be a positive size, got 0"):

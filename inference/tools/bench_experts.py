@@ -10,8 +10,10 @@ sampled in turns (--rounds: one sum, then a share of the decode steps), each fig
 on a shared host the bandwidth left to a process moves by a quarter within seconds, and a share formed from
 figures taken at different moments would move with it. Then a 512-token prefill (top-6 over the held
 experts) in tokens/s and GMAC/s, and the kernel against "dequantise each active expert once into bf16,
-torch's GEMM" on a subset of the active experts; the kernel's build time and peak RSS. Figures are printed,
-never asserted.
+torch's GEMM" on a subset of the active experts; the kernel's build time and peak RSS. With --linear, then:
+one FP8 Linear of 8,192 x 5,120 computed from its stored bytes by the same kernel (--cpu-linears stored)
+against its exact fp32 copy and torch's GEMM (the fast order's way), at the given token counts. Figures are
+printed, never asserted.
 """
 import argparse
 import functools
@@ -23,7 +25,7 @@ import time
 import torch
 
 from ..kernels import host_experts as he
-from ..kernels.fast import dequant_weight
+from ..kernels.fast import dequant_weight, gemm
 
 DIM, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
 
@@ -142,6 +144,31 @@ def prefill(experts, tokens: int, subset: int, gen: torch.Generator, variant: st
             "prefill_dequant_gemm_tokens_per_s_est": tokens / (t_all * t_base / t_kernel)}
 
 
+def fp8_linear(tokens: list, gen: torch.Generator, n: int = 8192, k: int = 5120, copies: int = 8) -> dict:
+    """One FP8 Linear [n, k] from its stored bytes (host_experts.stored_linear) and from its fp32 copy
+    (fast.gemm), `copies` such Linears taken in turn so that each read comes from DRAM; their E4M3 codes
+    those of Gaussian weights, as a checkpoint's (uniformly random bytes would make 1 in 16 an E4M3
+    subnormal, which some cores multiply slowly). -> {tokens: (stored ms, fp32 copy ms)}, best of the calls."""
+    scale = torch.full((n // 32, k // 32), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    stored = [(torch.randn(n, k, generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for _ in range(copies)]
+    fp32 = [dequant_weight(w, scale, "fp8", torch.float32) for w in stored]
+    out = {}
+    for t in tokens:
+        x = torch.randn(t, k, generator=gen).bfloat16()
+        best = []
+        for run in (lambda w, f: he.stored_linear(x, w, scale, "fp8"), lambda w, f: gemm(x, f)):
+            times = []
+            for i in range(max(3, 2 * copies // max(1, t // 8))):            # fewer calls for long ones
+                w, f = stored[i % copies], fp32[i % copies]
+                start = time.perf_counter()
+                run(w, f)
+                times.append(time.perf_counter() - start)
+            best.append(1e3 * min(times[1:]))                                # the first call warms up
+        out[t] = tuple(best)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m inference.tools.bench experts", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +182,8 @@ def main(argv=None):
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="buffer of the read-bandwidth sum")
     ap.add_argument("--variant", default=None, help="auto, torch, avx512, avx2, scalar (default: "
                     f"${he.ENV} or auto)")
+    ap.add_argument("--linear", default=None, metavar="TOKENS", help="also an FP8 Linear from its stored bytes "
+                    "against its fp32 copy at these token counts, e.g. 1,4,64 (after the peak RSS)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     opts = ap.parse_args(argv)
     if opts.steps < 1 or not 1 <= opts.rounds <= opts.steps:
@@ -162,6 +191,12 @@ def main(argv=None):
     if int(opts.bandwidth_gib * 2 ** 30) < 4:
         raise SystemExit(f"bench experts: --bandwidth-gib must be a positive size, "
                          f"got {opts.bandwidth_gib:g}")
+    try:
+        linear_tokens = [int(t) for t in opts.linear.split(",")] if opts.linear else []
+    except ValueError:
+        linear_tokens = [0]
+    if any(t < 1 for t in linear_tokens):
+        raise SystemExit(f"bench experts: --linear takes token counts >= 1 joined by commas, got {opts.linear}")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     gen = torch.Generator().manual_seed(0)
@@ -209,6 +244,14 @@ def main(argv=None):
     r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - buf.numel() * 4
     say(f"peak RSS {r['peak_rss_bytes'] / 2 ** 30:.2f} GiB (the {opts.bandwidth_gib:g} GiB bandwidth buffer "
         "not counted)")
+    if linear_tokens:
+        r["linear_fp8"] = {}
+        for t, (stored_ms, copy_ms) in fp8_linear(linear_tokens, gen).items():
+            r["linear_fp8"][t] = {"stored_ms": stored_ms, "fp32_copy_ms": copy_ms}
+            rate = f"{8192 * 5120 / stored_ms / 1e6:.1f} GB/s of them" if t == 1 else \
+                f"{t * 8192 * 5120 / stored_ms / 1e6:.1f} GMAC/s"
+            say(f"FP8 Linear 8,192 x 5,120, {t} token{'s' * (t > 1)}: from its stored bytes {stored_ms:.2f} ms "
+                f"({rate}), from its fp32 copy {copy_ms:.2f} ms")
     if opts.json:
         print(json.dumps(r))
     return r
