@@ -148,7 +148,8 @@ def fp8_linear(tokens: list, gen: torch.Generator, n: int = 8192, k: int = 5120,
     """One FP8 Linear [n, k] from its stored bytes (host_experts.stored_linear) and from its fp32 copy
     (fast.gemm), `copies` such Linears taken in turn so that each read comes from DRAM; their E4M3 codes
     those of Gaussian weights, as a checkpoint's (uniformly random bytes would make 1 in 16 an E4M3
-    subnormal, which some cores multiply slowly). -> {tokens: (stored ms, fp32 copy ms)}, best of the calls."""
+    subnormal, which some cores multiply slowly). -> {tokens: (stored ms, fp32 copy ms)}, best of the
+    calls."""
     scale = torch.full((n // 32, k // 32), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     stored = [(torch.randn(n, k, generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
               for _ in range(copies)]
@@ -182,8 +183,8 @@ def main(argv=None):
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="buffer of the read-bandwidth sum")
     ap.add_argument("--variant", default=None, help="auto, torch, avx512, avx2, scalar (default: "
                     f"${he.ENV} or auto)")
-    ap.add_argument("--linear", default=None, metavar="TOKENS", help="also an FP8 Linear from its stored bytes "
-                    "against its fp32 copy at these token counts, e.g. 1,4,64 (after the peak RSS)")
+    ap.add_argument("--linear", default=None, metavar="TOKENS", help="also an FP8 Linear from its stored "
+                    "bytes against its fp32 copy at these token counts, e.g. 1,4,64 (after the peak RSS)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     opts = ap.parse_args(argv)
     if opts.steps < 1 or not 1 <= opts.rounds <= opts.steps:
@@ -196,7 +197,8 @@ def main(argv=None):
     except ValueError:
         linear_tokens = [0]
     if any(t < 1 for t in linear_tokens):
-        raise SystemExit(f"bench experts: --linear takes token counts >= 1 joined by commas, got {opts.linear}")
+        raise SystemExit(f"bench experts: --linear takes token counts >= 1 joined by commas, got "
+                         f"{opts.linear}")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     gen = torch.Generator().manual_seed(0)
@@ -250,8 +252,8 @@ def main(argv=None):
             r["linear_fp8"][t] = {"stored_ms": stored_ms, "fp32_copy_ms": copy_ms}
             rate = f"{8192 * 5120 / stored_ms / 1e6:.1f} GB/s of them" if t == 1 else \
                 f"{t * 8192 * 5120 / stored_ms / 1e6:.1f} GMAC/s"
-            say(f"FP8 Linear 8,192 x 5,120, {t} token{'s' * (t > 1)}: from its stored bytes {stored_ms:.2f} ms "
-                f"({rate}), from its fp32 copy {copy_ms:.2f} ms")
+            say(f"FP8 Linear 8,192 x 5,120, {t} token{'s' * (t > 1)}: from its stored bytes "
+                f"{stored_ms:.2f} ms ({rate}), from its fp32 copy {copy_ms:.2f} ms")
     if opts.json:
         print(json.dumps(r))
     return r
