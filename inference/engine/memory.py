@@ -159,7 +159,8 @@ class RankPlan:
     experts_on: str = "device"
     routed_bytes: int = 0               # every routed expert (HOST_EXPERTS), at its stored bytes
     dequant_bytes: int = 0              # fp32 copies of the other FP8/FP4 Linears, kept by the CPU path
-    # weight bytes a CPU decode token reads besides the routed experts, per --cpu-linears form
+    # weight bytes a CPU decode token reads besides the routed experts, per --cpu-linears form (planned with
+    # the experts on the host)
     cpu_decode_bytes: Dict[str, int] = field(default_factory=dict)
 
     @property
@@ -255,22 +256,23 @@ NOT_READ_PER_TOKEN = re.compile(r"^(embed\.|mtp\.|vision\.|aligner\.|image_(star
                                 r"\.engram\.embed\.")
 
 
-def cpu_decode_read_bytes(model: Transformer, cpu_linears: str = "fp32") -> int:
-    """Weight bytes one decode token reads on the CPU path besides the routed experts: each parameter as held
-    (NOT_READ_PER_TOKEN aside); with cpu_linears fp32 an FP8/FP4 Linear as the fp32 copy it computes from (4
-    bytes a weight, its stored bytes and scales unread), with stored as held."""
+def cpu_decode_read_bytes(model: Transformer) -> Dict[str, int]:
+    """Weight bytes one decode token reads on the CPU path besides the routed experts, per --cpu-linears form:
+    each parameter as held (NOT_READ_PER_TOKEN aside); with fp32 an FP8/FP4 Linear as the fp32 copy it
+    computes from (4 bytes a weight, its stored bytes and scales unread), with stored as held."""
     quantized = {name: m for name, m in model.named_modules()
                  if isinstance(m, Linear) and m.kind in ("fp8", "fp4")}
-    total = 0
+    total = {form: 0 for form in CPU_LINEARS}
     for name, p in model.named_parameters():
         if HOST_EXPERTS.match(name) or NOT_READ_PER_TOKEN.search(name):
             continue
         owner, _, leaf = name.rpartition(".")
-        m = quantized.get(owner) if cpu_linears == "fp32" else None
+        m = quantized.get(owner)
+        total["stored"] += nbytes(p)
         if m is None:
-            total += nbytes(p)
+            total["fp32"] += nbytes(p)
         elif leaf == "weight":
-            total += m.in_features * m.out_features * 4
+            total["fp32"] += m.in_features * m.out_features * 4
     return total
 
 
@@ -447,8 +449,8 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
         plan.ranks.append(RankPlan(rank, weights, stored, cache_bytes(model, hasher), stages, opts.engram_on,
                                    experts_on=opts.experts_on, routed_bytes=routed_expert_bytes(model),
                                    dequant_bytes=dequant_copy_bytes(model) if opts.cpu_linears == "fp32"
-                                   else 0, cpu_decode_bytes={form: cpu_decode_read_bytes(model, form)
-                                                             for form in CPU_LINEARS}))
+                                   else 0, cpu_decode_bytes=cpu_decode_read_bytes(model)
+                                   if opts.experts_on == "host" else {}))
     return plan
 
 

@@ -90,8 +90,7 @@ def resolve(variant: Optional[str] = None) -> str:
 def _resolved(variant: Optional[str]):
     """resolve(variant) and its loaded kernel (None for torch). Looked up once per setting: a decode step
     asks once per Linear."""
-    env = os.environ.get
-    return _resolved_for(variant or env(ENV) or "auto", torch.backends.cpu.get_cpu_capability(),
+    return _resolved_for(variant or os.environ.get(ENV) or "auto", torch.backends.cpu.get_cpu_capability(),
                          _compiler(), _cache_dir())
 
 
@@ -411,14 +410,12 @@ def stored_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ki
 
 
 class StoredLinears:
-    """An order's FP8/FP4 Linears held on the CPU computed by the host-expert kernel from their stored bytes
-    (RuntimeOptions.cpu_linears = "stored"): no fp32 copy is made, a decode step reads 1 byte a weight (FP8)
-    instead of the copy's 4, and the products are the order's own, summed in the kernel's order. Everything
-    else is the order's (Exact or Fast, below)."""
+    """An order's FP8/FP4 Linears computed by the host-expert kernel from their stored bytes (a CPU model with
+    RuntimeOptions.cpu_linears = "stored", numerics_for): no fp32 copy is made, a decode step reads 1 byte a
+    weight (FP8) instead of the copy's 4, and the products are the order's own, summed in the kernel's order.
+    Everything else is the order's (Exact or Fast, below)."""
 
     def quant_linear(self, held, x):
-        if held.weight.device.type != "cpu" or held.kind not in FORMATS:
-            return super().quant_linear(held, x)
         return stored_linear(x, held.weight, held.scale, held.kind)
 
 
@@ -428,4 +425,3 @@ class ExactStoredLinears(StoredLinears, Exact):
 
 class FastStoredLinears(StoredLinears, Fast):
     name = "fast"
-
