@@ -9,7 +9,7 @@ import torch.nn as nn
 from .compressor import Compressor
 from .config import ModelArgs
 from .indexer import Indexer
-from .kv_cache import register_cache
+from .kv_cache import gather_rows, register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
 from .rope import apply_rotary_
 from .state import ForwardCall, Kind, ModelContext
@@ -65,20 +65,29 @@ class Attention(nn.Module):
     def freqs(self) -> torch.Tensor:
         return self.ctx.freqs_for(self.layer_id)
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        qr = self.q_norm(self.wq_a(x))                                          # [B, S, q_lora]
+    def project(self, x: torch.Tensor, rope: torch.Tensor):
+        """x [B, S, D] -> (q [B, S, H_l, hd], qr [B, S, q_lora], kv [B, S, hd]): wq_a and wkv read the same x
+        (the numerics may quantise it once for both). `rope`: the table's rows at the positions [S, ...]."""
+        q_lat, kv = self.nx.linears((self.wq_a.held(), self.wkv.held()), x)
+        q, qr = self.project_q(q_lat, rope)
+        return q, qr, self.project_kv(kv, rope)
+
+    def project_q(self, q_lat: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """wq_a's output [B, S, q_lora] -> (q [B, S, H_l, hd] rotated, qr [B, S, q_lora])."""
+        qr = self.q_norm(q_lat)                                                 # [B, S, q_lora]
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, hd]
-        apply_rotary_(q[..., -self.rope_dim:], self.freqs()[positions], self.nx)
+        apply_rotary_(q[..., -self.rope_dim:], rope, self.nx)
         return q, qr
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        kv = self.kv_norm(self.wkv(x))                                          # [B, S, hd]
-        apply_rotary_(kv[..., -self.rope_dim:], self.freqs()[positions], self.nx)
+    def project_kv(self, kv: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """wkv's output [B, S, hd] -> the window KV, normed, rotated and rounded as the cache holds it."""
+        kv = self.kv_norm(kv)                                                   # [B, S, hd]
+        apply_rotary_(kv[..., -self.rope_dim:], rope, self.nx)
         return self.nx.fp8_qdq_(kv)                                            # the cache's rounding
 
-    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s = o.shape[:2]
-        apply_rotary_(o[..., -self.rope_dim:], self.freqs()[positions], self.nx, inverse=True)
+        apply_rotary_(o[..., -self.rope_dim:], rope, self.nx, inverse=True)
         o = o.view(b, s, self.n_local_groups, -1)                              # [B, S, G_l, 8*hd]
         o = self.nx.grouped_linear(o, self.wo_a.weight, self.n_local_groups,
                                    self.wo_a.derived)                          # [B, S, G_l, o_lora]
@@ -86,18 +95,35 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, call: ForwardCall) -> torch.Tensor:
         b, s, _ = x.shape
-        q, qr = self.project_q(x, call.positions)
-        kv = self.project_kv(x, call.positions)
-        kv_win = self.window_rows(kv, call)                                    # [B, n_win, hd]
-        idx = call.window.expand(b, s, -1)                                      # [B, S, n] into kv_win
+        rope = call.rope(self.freqs())                                         # [S, rope_dim / 2]
+        q, qr, kv = self.project(x, rope)
+        kv_all = self.window_rows(kv, call)                                    # [B, n_win, hd]
+        idx = call.window.expand(b, s, -1)                                      # [B, S, n_win] into kv_all
         if self.ratio > 0:
-            plan = call.ratios[self.ratio]
-            topk = self.compressed_path(x, qr, call, kv_win.shape[1])          # [B, S, k] past kv_win
-            compressed = call.exchange.compress_kv[:b, :plan.keys]             # [B, T, hd]
-            kv_win = torch.cat([kv_win, compressed], dim=1)                     # [B, n_win + T, hd]
-            idx = torch.cat([idx, topk], dim=-1)
-        o = self.nx.sparse_attn(q, kv_win, self.attn_sink, idx, self.softmax_scale)   # [B, S, H_l, hd]
-        return self.output(o, call.positions)
+            topk = self.compressed_path(x, qr, call)                           # [B, S, k] compressed rows
+            rows, rows_idx = self.compressed_rows(topk, call, kv_all.shape[1])  # [B, T', hd], [B, S, k]
+            kv_all = torch.cat([kv_all, rows], dim=1)                          # [B, n_win + T', hd]
+            idx = torch.cat([idx, rows_idx], dim=-1)
+        o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)   # [B, S, H_l, hd]
+        return self.output(o, rope)
+
+    def compressed_rows(self, topk: torch.Tensor, call: ForwardCall, offset: int):
+        """The compressed KV rows this call attends to, placed after the `offset` window rows, and where each
+        query's top-k list finds them: (rows [B, T', hd], indices [B, S, k] into [window rows | rows], -1 =
+        none). A decode step gathers and decodes only the listed rows (its work does not grow with the
+        context), once for all the layers that share the cache and the list; other calls read every row."""
+        b = topk.shape[0]
+        ex = call.exchange
+        valid = topk >= 0
+        if call.kind != Kind.DECODE:
+            keys = call.ratios[self.ratio].keys
+            return ex.compress_kv[:b, :keys], torch.where(valid, topk + offset, -1)
+        if ex.selection is None or ex.selection[0] is not ex.compress_kv or ex.selection[1] is not topk:
+            k = topk.shape[-1]
+            rows = gather_rows(ex.compress_kv, b, topk[:, 0].long().clamp_min(0))          # [B, k, hd]
+            at = torch.arange(offset, offset + k, dtype=topk.dtype, device=topk.device)
+            ex.selection = (ex.compress_kv, topk, rows, torch.where(valid, at, -1))
+        return ex.selection[2], ex.selection[3]
 
     def window_rows(self, kv: torch.Tensor, call: ForwardCall) -> torch.Tensor:
         """Write the call's window KV into the ring and return the rows its window lists index."""
@@ -118,9 +144,9 @@ class Attention(nn.Module):
         self.kv_cache[:b, call.positions[s - keep:] % self.window] = kv[:, s - keep:]
         return rows
 
-    def compressed_path(self, x, qr, call: ForwardCall, offset: int) -> torch.Tensor:
+    def compressed_path(self, x, qr, call: ForwardCall) -> torch.Tensor:
         """The compressor's new entries written (and handed on), the index selection made or taken:
-        -> [B, S, k] rows of kv_all (past the `offset` window rows), -1 = none."""
+        -> [B, S, k] compressed rows, -1 = none."""
         b, s, _ = x.shape
         ex, plan = call.exchange, call.ratios[self.ratio]
         latent: Optional[torch.Tensor] = None
@@ -131,7 +157,7 @@ class Attention(nn.Module):
             if plan.keys == 0:                                                 # no group complete yet
                 topk = torch.empty(b, s, 0, dtype=torch.int32, device=x.device)
             else:
-                topk = self.indexer(x, qr, latent, call, offset)
+                topk = self.indexer(x, qr, latent, call)
             ex.topk_idxs = topk
         else:
             topk = ex.topk_idxs

@@ -20,7 +20,7 @@ class DSparkAttention(Attention):
     def write_main_kv(self, main_x: torch.Tensor, start_pos: int) -> None:
         b, m, _ = main_x.shape
         positions = torch.arange(start_pos, start_pos + m, device=main_x.device)
-        kv = self.project_kv(main_x, positions)                                 # [B, m, hd]
+        kv = self.project_kv(self.wkv(main_x), self.freqs()[positions])         # [B, m, hd]
         keep = min(m, self.window)
         self.kv_cache[:b, positions[m - keep:] % self.window] = kv[:, m - keep:]
 
@@ -30,14 +30,14 @@ class DSparkAttention(Attention):
         b, blk, _ = x.shape
         start_pos = call.start - main_x.shape[1]
         self.write_main_kv(main_x, start_pos)
-        pos = call.positions
-        q, _ = self.project_q(x, pos)
-        kv_all = torch.cat([self.kv_cache[:b], self.project_kv(x, pos)], dim=1)  # [B, W + blk, hd]
+        rope = call.rope(self.freqs())
+        q, _, kv = self.project(x, rope)
+        kv_all = torch.cat([self.kv_cache[:b], kv], dim=1)                      # [B, W + blk, hd]
         n_ring = min(self.window, call.start)
         idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
         idx = idx.to(x.device).expand(b, blk, -1)
         o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, blk, H_l, hd]
-        return self.output(o, pos)
+        return self.output(o, rope)
 
 
 class MarkovHead(nn.Module):

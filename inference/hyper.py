@@ -25,20 +25,17 @@ class MixConfig:
 def hc_mixes(x: torch.Tensor, w: MixWeights, cfg: MixConfig, nx, derived):
     """x [B, S, hc, D] bf16 -> (pre, post, comb) from one rsqrt over all hc*D values per token. `derived`:
     where the layouts of w.fn are kept (its block's)."""
-    u = x.flatten(2).float()                                        # [B, S, hc*D]
-    rsqrt = nx.rsqrt(nx.mean(u * u, dim=-1, keepdim=True) + cfg.norm_eps)
-    mixes = nx.dense(u, w.fn, derived) * rsqrt                      # GEMM first, then the scalar
+    mixes = nx.hc_mix_logits(x.flatten(2), w.fn, cfg.norm_eps, derived)   # [B, S, (2 + hc) * hc]
     return nx.hc_split_sinkhorn(mixes, w.scale, w.base, cfg.hc, cfg.iters, cfg.hc_eps)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor, nx) -> torch.Tensor:
-    """Collapse [B, S, hc, D] with weights [B, S, hc] -> [B, S, D] in x's dtype."""
-    return nx.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+    """Collapse [B, S, hc, D] with weights [B, S, hc] -> sum_j pre_j X_j [B, S, D] in x's dtype (fp32
+    sums)."""
+    return nx.hc_pre(x, pre)
 
 
 def hc_post(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
             nx) -> torch.Tensor:
-    """out_k = post_k * y + sum_j comb[j, k] * R_j  -> [B, S, hc, D] (sum over comb's first index)."""
-    out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + \
-        nx.sum(comb.unsqueeze(-1) * residual.float().unsqueeze(-2), dim=2)
-    return out.to(y.dtype)
+    """out_k = post_k * y + sum_j comb[j, k] * R_j  -> [B, S, hc, D] (sum over comb's first index, fp32)."""
+    return nx.hc_post(y, residual, post, comb)

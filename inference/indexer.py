@@ -69,9 +69,9 @@ class Indexer(nn.Module):
             register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                              args.index_head_dim), "fp4_ue8m0", ctx)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], call: ForwardCall,
-                offset: int) -> torch.Tensor:
-        """-> [B, S, k] int32 rows of kv_all (the compressed rows start at `offset`), -1 = none."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor],
+                call: ForwardCall) -> torch.Tensor:
+        """-> [B, S, k] int32 compressed rows, ascending, -1 = none."""
         b, s, _ = x.shape
         ex, nx, plan, opts = call.exchange, self.nx, call.ratios[self.ratio], self.ctx.opts
         shared, freqs = self.ctx.shared, self.ctx.compress_freqs
@@ -84,7 +84,7 @@ class Indexer(nn.Module):
         elif self.owns_keys and call.publish:
             shared.index_k = self.k_cache    # a prefill chunk publishes what the whole prefill would have
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
-        apply_rotary_(q[..., -self.rope_dim:], freqs[call.positions], nx)
+        apply_rotary_(q[..., -self.rope_dim:], call.rope(freqs), nx)
         nx.fp4_qdq_e8m0_(q)
         t = plan.keys
         keys = shared.index_k[:b, :t]                                # [B, T, ihd]
@@ -109,5 +109,5 @@ class Indexer(nn.Module):
             score = score.masked_fill(~ex.candidates, float("-inf"))
         top = topk_indices(score, min(self.topk, t), opts.deterministic_topk, sorted=False)
         top = top.sort(dim=-1).values
-        top = torch.where(top < lens.view(1, -1, 1), top + offset, -1)
+        top = torch.where(top < lens.view(1, -1, 1), top, -1)
         return top.to(torch.int32)                                   # [B, S, k]

@@ -17,11 +17,12 @@ a silent change (on a GPU an asynchronous device assertion, so that a decode ste
 numerics, which do not round, keep plain full-precision buffers.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from .quant import FP8_MAX, ceil_pow2, e2m1_round, e2m1_values, float_to_ue8m0, ue8m0_to_float
+from .quant import FP8_MAX, CodeTables, ceil_pow2
 
 E4M3_MIN_SCALE = 2.0 ** -9     # the smallest E4M3 scale the compressed-KV rounding uses (an all-zero group)
 DECODE_CHUNK = 1 << 22         # values decoded at a time on a read
@@ -52,76 +53,74 @@ def entry_bytes(fmt: str, dim: int) -> int:
 
 
 def _scale_value(f: Format, s: torch.Tensor) -> torch.Tensor:
-    """Scale bytes [..., G] -> fp32 [..., G, 1]."""
-    v = ue8m0_to_float(s) if f.scale == "ue8m0" else s.view(torch.float8_e4m3fn).float()
-    return v.unsqueeze(-1)
+    """Scale bytes [..., G] -> fp32 [..., G]."""
+    return s.view(torch.float8_e8m0fnu if f.scale == "ue8m0" else torch.float8_e4m3fn).float()
 
 
-def _code_values(f: Format, codes: torch.Tensor) -> torch.Tensor:
+def _code_values(f: Format, codes: torch.Tensor, tables: Optional[CodeTables]) -> torch.Tensor:
     """Code bytes [..., C] -> fp32 values [..., D]."""
     if f.codes == "e4m3":
         return codes.view(torch.float8_e4m3fn).float()
-    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()      # [..., D]
-    return e2m1_values(codes.device)[nibbles]
+    return (tables or CodeTables(codes.device)).fp4(codes)
 
 
-def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16,
+           tables: Optional[CodeTables] = None) -> torch.Tensor:
     """Packed codes [..., C] and scale bytes [..., G] -> values [..., D] in `dtype` (the model's rounding:
-    code times scale in fp32, then one cast)."""
+    code times scale in fp32, then one cast). `tables`: the device's CodeTables (made here when not given)."""
     f = FORMATS[fmt]
-    v = _code_values(f, codes).unflatten(-1, (scales.shape[-1], f.block))            # [..., G, block]
-    return (v * _scale_value(f, scales)).flatten(-2).to(dtype)
+    v = _code_values(f, codes, tables).unflatten(-1, (scales.shape[-1], f.block))   # [..., G, block]
+    return (v * _scale_value(f, scales).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """Values on the E2M1 grid -> 4-bit codes (bit 3 = sign, -0.0 included)."""
-    mags = e2m1_values(v.device)[:8]
-    bounds = (mags[:-1] + mags[1:]) / 2                       # the midpoints between E2M1 magnitudes
-    mag = torch.bucketize(v.abs(), bounds).to(torch.uint8)
-    return mag | (torch.signbit(v).to(torch.uint8) << 3)
-
-
-def _encode_with(f: Format, g: torch.Tensor, scale: torch.Tensor):
-    """Groups g [..., G, block] fp32 and candidate scales [..., G, 1] -> (code bytes, scale bytes)."""
+def _scale_bytes(f: Format, scale: torch.Tensor) -> torch.Tensor:
+    """Candidate scales [..., G] fp32 -> their bytes (a power of two: its exponent field; E4M3: the cast)."""
     if f.scale == "ue8m0":
-        sbytes = float_to_ue8m0(scale.squeeze(-1)).view(torch.uint8)
-    else:
-        sbytes = scale.squeeze(-1).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    v = g / _scale_value(f, sbytes)
+        return (scale.view(torch.int32) >> 23).to(torch.uint8)
+    return scale.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _codes(f: Format, v: torch.Tensor, tables: CodeTables) -> torch.Tensor:
+    """Scaled values v [..., D] fp32 -> code bytes [..., C]: E4M3 by the cast; E2M1 by the nearest magnitude
+    (bucketize against the midpoints), the sign bit kept (-0.0 included), two codes per byte, low nibble
+    first. On-grid values get their exact code; others some code, which the round trip then refuses."""
     if f.codes == "e4m3":
-        codes = v.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        c = _e2m1_codes(e2m1_round(v.clamp(-6.0, 6.0))).flatten(-2)
-        codes = c[..., 0::2] | (c[..., 1::2] << 4)
-    return codes, sbytes
+        return v.to(torch.float8_e4m3fn).view(torch.uint8)
+    c = torch.bucketize(v.clamp(-6.0, 6.0).abs(), tables.e2m1_bounds, out_int32=True) + torch.signbit(v) * 8
+    c = c.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
 
 
-def encode(fmt: str, x: torch.Tensor):
+def encode(fmt: str, x: torch.Tensor, tables: Optional[CodeTables] = None):
     """Rounded values x [..., D] -> (codes [..., C] uint8, scales [..., G] uint8) from which `decode` gives x
-    back bit for bit; CacheFormatError if some group is not on the format's grid."""
+    back bit for bit; CacheFormatError if some group is not on the format's grid (on a GPU an asynchronous
+    device assertion: no host sync).
+
+    Scales: a power-of-two format has one candidate (the smallest power of two >= amax / max code); an E4M3
+    scale has three (amax / 6, amax / 4, 2^-9), the first that reproduces a group wins."""
     f = FORMATS[fmt]
-    g = x.float().unflatten(-1, (x.shape[-1] // f.block, f.block))                    # [..., G, block]
-    amax = g.abs().amax(-1, keepdim=True)
+    tables = tables or CodeTables(x.device)
+    g = x.unflatten(-1, (x.shape[-1] // f.block, f.block))                            # [..., G, block]
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1).float()                  # [..., G], exact
     if f.scale == "ue8m0":
         top = FP8_MAX if f.codes == "e4m3" else 6.0
         floor = 1e-4 if f.codes == "e4m3" else 6 * 2.0 ** -126     # keep amax / top a normal fp32
         candidates = [ceil_pow2(amax.clamp_min(floor) / top)]
     else:
         candidates = [amax / 6, amax / 4, torch.full_like(amax, E4M3_MIN_SCALE)]
-    want = x.reshape(*g.shape[:-2], -1).view(torch.int16 if x.element_size() == 2 else torch.int32)
-    codes = sbytes = None
-    ok = torch.zeros(g.shape[:-1], dtype=torch.bool, device=x.device)                  # [..., G]
+    want = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+    codes = sbytes = ok = None
     for cand in reversed(candidates):            # the first candidate that reproduces a group wins
-        c, s = _encode_with(f, g, cand)
-        back = decode(fmt, c, s, x.dtype).view(want.dtype).unflatten(-1, (g.shape[-2], f.block))
-        good = (back == want.unflatten(-1, (g.shape[-2], f.block))).all(-1)           # [..., G]
+        s = _scale_bytes(f, cand)
+        value = cand if f.scale == "ue8m0" else _scale_value(f, s)      # a power of two is its byte's value
+        c = _codes(f, (g / value.unsqueeze(-1)).flatten(-2), tables)
+        back = decode(fmt, c, s, x.dtype, tables).view(want.dtype)
+        good = (back == want).unflatten(-1, s.shape[-1:] + (f.block,)).all(-1)       # [..., G]
         if codes is None:
-            codes, sbytes = c, s
+            codes, sbytes, ok = c, s, good
         else:
-            per_code = c.shape[-1] // g.shape[-2]
-            pick = good.repeat_interleave(per_code, dim=-1)
-            codes, sbytes = torch.where(pick, c, codes), torch.where(good, s, sbytes)
-        ok |= good
+            pick = good.repeat_interleave(c.shape[-1] // s.shape[-1], dim=-1)
+            codes, sbytes, ok = torch.where(pick, c, codes), torch.where(good, s, sbytes), ok | good
     message = (f"KV cache value not on the {fmt} grid: the values written were not rounded the way the cache "
                f"format assumes (a kernel that rounds differently?)")
     if x.device.type == "cpu":
@@ -136,9 +135,11 @@ class PackedCache(nn.Module):
     """A cache of shape [*lead, D] stored as codes [*lead, C] and scale bytes [*lead, G]. Index it like the
     bf16 buffer it replaces, on the leading dims: `cache[:b, first:last] = values`, `cache[:b]`."""
 
-    def __init__(self, shape, fmt: str, dtype=torch.bfloat16):
+    def __init__(self, shape, fmt: str, dtype=torch.bfloat16, tables: Optional[CodeTables] = None):
+        """`tables`: the CodeTables of the cache's device (the model's numerics hold them)."""
         super().__init__()
         f = FORMATS[fmt]
+        self.tables = tables or CodeTables(torch.empty(0).device)
         *lead, dim = shape
         if dim % f.block:
             raise ValueError(f"cache width {dim} is not a multiple of the {fmt} block {f.block}")
@@ -160,14 +161,36 @@ class PackedCache(nn.Module):
         flat_c, flat_s = codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1])
         flat_out = out.view(-1, self.dim)
         rows = max(1, DECODE_CHUNK // self.dim)
+        if flat_out.shape[0] <= rows:
+            return decode(self.fmt, codes, scales, self.dtype, self.tables)
         for r0 in range(0, flat_out.shape[0], rows):
-            flat_out[r0:r0 + rows] = decode(self.fmt, flat_c[r0:r0 + rows], flat_s[r0:r0 + rows], self.dtype)
+            flat_out[r0:r0 + rows] = decode(self.fmt, flat_c[r0:r0 + rows], flat_s[r0:r0 + rows], self.dtype,
+                                            self.tables)
         return out
 
     def __setitem__(self, key, value: torch.Tensor) -> None:
-        codes, scales = encode(self.fmt, value.to(self.dtype))
+        codes, scales = encode(self.fmt, value.to(self.dtype), self.tables)
         self.codes[key] = codes
         self.scales[key] = scales
+
+    def rows(self, b: int, index: torch.Tensor) -> torch.Tensor:
+        """cache[i, index[i, j]] for the first b batch rows: index [b, k] (int64, each in range) -> [b, k, D],
+        only those rows decoded (a decode step reads what it attends to, whatever the context)."""
+        return decode(self.fmt, _take(self.codes[:b], index), _take(self.scales[:b], index), self.dtype,
+                      self.tables)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [b, T, C], index [b, k] -> t[i, index[i, j]] [b, k, C]."""
+    return t.gather(1, index.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+
+def gather_rows(cache, b: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows index [b, k] (int64, in range) of the first b batch rows of a cache (a PackedCache, or a plain
+    [B, T, D] buffer) -> [b, k, D]."""
+    if isinstance(cache, PackedCache):
+        return cache.rows(b, index)
+    return _take(cache[:b], index)
 
 
 def register_cache(owner: nn.Module, name: str, shape, fmt: str, ctx) -> None:
@@ -176,4 +199,4 @@ def register_cache(owner: nn.Module, name: str, shape, fmt: str, ctx) -> None:
     if ctx.keeps_full_precision_caches:
         owner.register_buffer(name, torch.zeros(*shape, dtype=ctx.act_dtype), persistent=False)
     else:
-        setattr(owner, name, PackedCache(shape, fmt))
+        setattr(owner, name, PackedCache(shape, fmt, tables=ctx.numerics.tables))

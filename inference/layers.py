@@ -133,8 +133,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.nx = eps, ctx.numerics
         self.weight = _param((dim,), weight_dtype)
+        self.derived = Derived()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        nx, u = self.nx, x.float()
-        u = u * nx.rsqrt(nx.mean(u * u, -1, keepdim=True) + self.eps)
-        return (self.weight.float() * u).to(x.dtype)
+        """weight * x / sqrt(mean(x^2) + eps) in fp32, x's dtype out."""
+        return self.nx.rms_norm(x, self.weight, self.eps, self.derived)

@@ -215,7 +215,7 @@ class Transformer(nn.Module):
                 capture.setdefault("block_out", []).append(x)
                 capture.setdefault("block_pre_mix", []).append(pre)
                 if i in a.index_source_layers:
-                    capture[f"indexer_idxs.layer{i}"] = [call.exchange.topk_idxs]
+                    capture[f"indexer_idxs.layer{i}"] = [call.offset_rows(call.exchange.topk_idxs)]
                 if i == a.candidate_source_layer and call.exchange.candidates is not None:
                     capture["candidates"] = [call.exchange.candidates]
         return x, pre, torch.cat(main_hiddens, dim=-1) if main_hiddens else None

@@ -7,7 +7,6 @@ import torch.nn as nn
 
 from .indexer import topk_indices
 from .kernels import Derived, host_experts
-from .kernels.fast import fixed_shape_experts
 from .kernels.numerics import Held
 from .layers import Linear, linear_tensors
 from .state import ForwardCall, ModelContext
@@ -29,7 +28,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [N, D] bf16 -> (weights [N, k] fp32, expert indices [N, k])."""
         nx = self.nx
-        logits = nx.dense(x.float(), self.weight, self.derived) / self.gate_temp     # [N, E] fp32
+        logits = nx.dense(x.float(), self.weight, self.derived)                      # [N, E] fp32
+        if self.gate_temp != 1.0:                                   # (x / 1 is x: no division then)
+            logits = logits / self.gate_temp
         if self.score_func == "sqrtsoftplus":
             scores = nx.softplus(logits).sqrt()
         elif self.score_func == "softmax":
@@ -68,7 +69,8 @@ class Expert(nn.Module):
                    w2: Held) -> torch.Tensor:
         """The expert's formula on the given weights (its own, or a copy on the device of host experts)."""
         nx = self.nx
-        return nx.linear(w2, self.swiglu(nx.linear(w1, x), nx.linear(w3, x), weights).to(x.dtype))
+        gate, up = nx.linears((w1, w3), x)                             # one activation, quantised once
+        return nx.linear(w2, self.swiglu(gate, up, weights).to(x.dtype))
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """bf16 GEMM outputs -> fp32 clamp(SiLU(gate)) * clamp(up), times the routing weight if given."""
@@ -142,8 +144,8 @@ class StackedExperts:
         """-> [N, k, D], each selection's expert output (zero for other ranks' experts)."""
         if self.fixed_shapes and (decode or x.shape[0] <= 16):
             first = next(e for e in moe.experts if e is not None)
-            return fixed_shape_experts(moe.stacked, first.w1.kind, moe.start, moe.n_local, x, weights, idx,
-                                       first.swiglu)
+            return moe.nx.selected_experts(moe.stacked, first.w1.kind, moe.start, moe.n_local, moe.n_experts,
+                                           x, weights, idx, first.swiglu)
         return looped_experts(moe, x, weights, idx)
 
 
@@ -236,9 +238,9 @@ class MoE(nn.Module):
         if ctx.opts.experts_on == "host" and self.stacked is not None:
             for w, _ in self.stacked.values():                     # streamed from host memory every step
                 host_experts.advise_huge_pages(w)
+        rows = self.rows()
         self.experts = nn.ModuleList([
-            Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts,
-                   self.row(i - self.start))
+            Expert(a.dim, a.moe_inter_dim, expert_kind, ctx, ctx.keep_expert_layouts, rows[i - self.start])
             if self.start <= i < self.start + self.n_local else None for i in range(n_experts)])
         self.shared_experts = Expert(a.dim, a.moe_inter_dim, a.dtype, ctx)
         on_gpu = torch.device(ctx.device).type not in ("cpu", "meta")
@@ -249,11 +251,14 @@ class MoE(nn.Module):
         else:
             self.routed = StackedExperts(fixed_shapes=on_gpu and self.nx.gathers_experts)
 
-    def row(self, e: int):
-        """Local expert e's views of the stacked layout, {projection: (weight, scale)} (None: no layout)."""
+    def rows(self):
+        """Each local expert's views of the stacked layout, [{projection: (weight, scale)}] (None: no layout),
+        made by one unbind per tensor (the released model has 15,360 routed experts)."""
         if self.stacked is None:
-            return None
-        return {p: (w[e], None if s is None else s[e]) for p, (w, s) in self.stacked.items()}
+            return [None] * self.n_local
+        views = {p: (w.unbind(0), [None] * self.n_local if s is None else s.unbind(0))
+                 for p, (w, s) in self.stacked.items()}
+        return [{p: (w[e], s[e]) for p, (w, s) in views.items()} for e in range(self.n_local)]
 
     def forward(self, x: torch.Tensor, call: ForwardCall, image_mask: Optional[torch.Tensor] = None):
         shape = x.shape

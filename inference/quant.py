@@ -24,6 +24,33 @@ def e2m1_values(device=None, dtype=torch.float32) -> torch.Tensor:
     return torch.where(c >= 8, -mag, mag).to(dtype)
 
 
+class CodeTables:
+    """The formats' decode tables on one device, made once (a model's numerics hold them, so that no step
+    rebuilds one): the E2M1 values [16], and byte -> (low nibble's value, high nibble's value) [256, 2] fp32,
+    which unpacks two FP4 codes per byte in one lookup."""
+
+    def __init__(self, device=None):
+        if device is not None and torch.device(device).type == "meta":    # a memory plan: shapes only
+            self.e2m1, self.e2m1_pairs, self.e2m1_bounds = (torch.empty(*s, device="meta")
+                                                            for s in ((16,), (256, 2), (7,)))
+            self.e2m1_pairs_bf16 = torch.empty(256, 2, dtype=torch.bfloat16, device="meta")
+            return
+        self.e2m1 = e2m1_values(device)                                            # [16] fp32
+        b = torch.arange(256, device=device)
+        self.e2m1_pairs = torch.stack([self.e2m1[b & 0xF], self.e2m1[b >> 4]], dim=-1)   # [256, 2]
+        self.e2m1_pairs_bf16 = self.e2m1_pairs.bfloat16()   # the same values (exact in bf16)
+        mags = self.e2m1[:8]
+        self.e2m1_bounds = (mags[:-1] + mags[1:]) / 2        # [7] the midpoints between E2M1 magnitudes
+
+    def fp4(self, packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """FP4 codes, two per byte (uint8 or float4_e2m1fn_x2) [..., C] -> values [..., 2C] in `dtype`, low
+        nibble first."""
+        table = {torch.float32: self.e2m1_pairs, torch.bfloat16: self.e2m1_pairs_bf16}.get(dtype)
+        if table is None:
+            table = self.e2m1_pairs.to(dtype)
+        return table[packed.view(torch.uint8).int()].flatten(-2)
+
+
 def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= y for positive normal fp32 y, from the bits (never a rounding cast)."""
     bits = y.float().contiguous().view(torch.int32)
@@ -32,11 +59,9 @@ def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:
-    """UE8M0 byte e -> 2^(e-127) in fp32 (byte 0 is 2^-127, not zero)."""
-    if s.dtype == torch.float8_e8m0fnu:
-        s = s.view(torch.uint8)
-    out = (s.to(torch.int32) << 23).view(torch.float32)
-    return torch.where(s == 0, 2.0 ** -127, out)  # byte 0 is the fp32 subnormal 2^-127
+    """UE8M0 byte e -> 2^(e-127) in fp32 (byte 0 is the fp32 subnormal 2^-127, not zero; 255 is NaN): torch's
+    own conversion of float8_e8m0fnu, exact."""
+    return s.view(torch.float8_e8m0fnu).float()
 
 
 def float_to_ue8m0(s: torch.Tensor) -> torch.Tensor:

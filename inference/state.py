@@ -31,6 +31,8 @@ class Exchange:
     compress_kv: Optional[torch.Tensor] = None
     topk_idxs: Optional[torch.Tensor] = None
     candidates: Optional[torch.Tensor] = None          # None: not computed in this call
+    # a decode step's compressed rows of (compress_kv, topk_idxs), gathered once: (cache, list, rows, indices)
+    selection: Optional[tuple] = None
 
 
 @dataclass
@@ -113,7 +115,8 @@ class ForwardCall:
     one_by_one per-token computations whose rounding depends on the tensor's size (fp32 GEMMs, transcendental
                functions on a few elements) run one position at a time, as a decode step runs them, so that a
                verification equals decoding exactly (VERIFY, in an order whose rows depend on each other).
-    exchange   what the call's source layers hand to later layers (a fresh Exchange)."""
+    exchange   what the call's source layers hand to later layers (a fresh Exchange).
+    rope_rows  a RoPE table's rows at the call's positions, looked up once per table (rope())."""
     kind: Kind
     start: Optional[int]
     length: int
@@ -124,6 +127,14 @@ class ForwardCall:
     publish: bool
     one_by_one: bool
     exchange: Exchange
+    rope_rows: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def rope(self, table: torch.Tensor) -> torch.Tensor:
+        """table[positions]: the rotations of the call's positions, looked up once per table and call."""
+        rows = self.rope_rows.get(id(table))
+        if rows is None:
+            rows = self.rope_rows[id(table)] = table[self.positions]
+        return rows
 
     @staticmethod
     def make(start: int, s: int, prefill: bool, args: ModelArgs, rows_independent: bool, device,
@@ -169,6 +180,19 @@ class ForwardCall:
         positions = torch.arange(start, start + s, device=device)
         return ForwardCall(Kind.DRAFT, start, s, positions, start % 2, positions[:0], {}, False, False,
                            Exchange())
+
+    @property
+    def window_rows(self) -> int:
+        """How many window rows precede the compressed rows in attention's KV: the call's own rows (PREFILL),
+        the ring (DECODE), the ring then the call's rows (CHUNK, VERIFY)."""
+        if self.kind == Kind.PREFILL:
+            return self.length
+        return self.window.shape[-1] + (self.length if self.kind in (Kind.CHUNK, Kind.VERIFY) else 0)
+
+    def offset_rows(self, topk: torch.Tensor) -> torch.Tensor:
+        """A top-k list of compressed rows [..., k] (-1 = none) as indices past the window rows, the
+        official code's convention (parity captures)."""
+        return torch.where(topk >= 0, topk + self.window_rows, -1)
 
     def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
         """fn(x, *args), evaluated one position (index along `dim`) at a time when `one_by_one`; tensor args

@@ -130,19 +130,52 @@ def test_exact_scores_are_the_same_sums_both_ways(dtype):
         assert torch.equal(at_once.view(torch.int32), by_column.view(torch.int32)), (b, m, h, c, d)
         assert not torch.equal(at_once, torch.einsum("bmhd,bmcd->bmhc", q.float(), rows))
 
-def test_quantizers_and_sinkhorn_are_shared_by_both_torch_routes():
+def test_quantizers_are_shared_by_both_torch_routes():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 7, 128, generator=gen).bfloat16() * 3
     for name in ("fp8_qdq_", "fp4_qdq_e8m0_", "fp4_qdq_e4m3_"):
         a, b = getattr(NX_EXACT, name)(x.clone()), getattr(NX_FAST, name)(x.clone())
         assert torch.equal(a, b) and torch.equal(a, getattr(reference, name)(x.clone())), name
-    m = torch.randn(5, 24, generator=gen)
-    args = (torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
-    for a, b in zip(NX_FAST.hc_split_sinkhorn(m, *args), reference.hc_split_sinkhorn(m, *args)):
-        assert torch.equal(a, b)
     q, s = NX_FAST.act_quant(x)
     dequantized = (q.float().view(4, 7, 4, 32) * s[..., None]).flatten(-2)
     assert torch.equal(fast.quant_act(x, torch.float32), dequantized)
+
+
+def test_fast_quant_act_is_act_quant_bit_for_bit():
+    """fast.quant_act (a max-norm for the block maxima, no clamp before the saturating cast) gives
+    reference.act_quant's values exactly: bf16 and fp32 inputs over 2^+-40, all-zero and tiny groups, signed
+    zeros, values at 448 * 2^k and just above, where the scale's choice is decided by one ulp."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=gen) * 2.0 ** torch.randint(-40, 40, (64, 1), generator=gen).float()
+    x[0], x[1, :32], x[2, 7] = 0.0, -0.0, 1e-30
+    x[3, :32] = 448.0 * 2.0 ** torch.arange(-8, 24, dtype=torch.float32)
+    x[4, :32] = torch.nextafter(x[3, :32], torch.tensor(float("inf")))
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = x.to(dtype)
+        q, s = reference.act_quant(xs)
+        want = (q.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
+        for out in (torch.float32, torch.float64):
+            assert torch.equal(fast.quant_act(xs, out), want.to(out)), (dtype, out)
+
+
+def test_fast_sinkhorn_is_the_same_normalisations_in_another_order():
+    """The fast order's Sinkhorn (a frame holding eps, two operations per normalisation) forms the
+    reference's sums in another order: pre and post within 4 fp32 ulps of the exact order, comb within 32,
+    and as close to an fp64 evaluation as the exact order is; columns end normalised."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(3000, 24, generator=gen) * 0.5
+    scale, base = torch.rand(3, generator=gen) + 0.5, torch.randn(24, generator=gen) * 0.45
+    got = NX_FAST.hc_split_sinkhorn(m, scale, base, 4, 20, 1e-6)
+    want = reference.hc_split_sinkhorn(m, scale, base, 4, 20, 1e-6)
+    exact = reference.hc_split_sinkhorn(m.double(), scale.double(), base.double(), 4, 20, 1e-6)
+
+    def ulps(a, b):
+        return (a.contiguous().view(torch.int32).long() - b.contiguous().view(torch.int32).long()).abs().max()
+
+    assert ulps(got[0], want[0]) <= 4 and ulps(got[1], want[1]) <= 4 and ulps(got[2], want[2]) <= 32
+    rel = lambda a: ((a.double() - exact[2]).abs() / exact[2].abs()).max().item()   # noqa: E731
+    assert rel(got[2]) <= max(2 * rel(want[2]), 1e-6)
+    assert torch.allclose(got[2].sum(-2), torch.ones(3000, 4), atol=1e-5)
 
 
 # ---- fast vs exact, kernel by kernel ----
@@ -277,8 +310,38 @@ def test_fixed_shape_experts_equal_the_expert_loop(par):
             weights, idx = fast_moe.gate(x)
             want = exact_moe.nx.combine_experts(looped_experts(exact_moe, x, weights, idx), idx, par)
             first = fast_moe.experts[fast_moe.start]
-            out = fixed_shape_experts(fast_moe.stacked, first.w1.kind, fast_moe.start, fast_moe.n_local, x,
-                                      weights, idx, first.swiglu)                      # [N, k, D]
+            out = fixed_shape_experts(fast_moe.stacked, first.w1.kind, fast_moe.start, fast_moe.n_local,
+                                      fast_moe.n_experts, x, weights, idx, first.swiglu)   # [N, k, D]
+            got = NX_FAST.combine_experts(out, idx, par)
+        assert want.abs().sum() > 0 and torch.equal(got, want), n
+
+
+@pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],
+                         ids=["W1", "rank1of2"])
+def test_the_kernel_routes_decode_experts_equal_the_expert_loop(par, monkeypatch):
+    """The TileLang route's decode experts (act_quant once per token, the expert GEMM kernel per selection
+    reading row p // top-k, SwiGLU, act_quant, the kernel for w2), its kernels replaced by torch stand-ins
+    that compute their definition (tools/gpu_check.TorchKernels, which also runs the wrappers' argument
+    checks): the exact loop's numbers on the exact-arithmetic MoE, at every batch size, on either rank."""
+    pytest.importorskip("tilelang")
+    from types import SimpleNamespace
+    from inference.kernels import tilelang_ops as ops
+    from inference.tools.gpu_check import TorchKernels
+    wrappers = SimpleNamespace(expert_gemm=ops.expert_gemm, act_quant=ops.act_quant)
+    stand_in = TorchKernels(wrappers)
+    monkeypatch.setattr(ops, "expert_gemm", stand_in.expert_gemm)
+    monkeypatch.setattr(ops, "act_quant", stand_in.act_quant)
+    nx = ops.TileLang(device="cpu")
+    exact_moe, fast_moe = exact_arithmetic_moe(par, EXACT), exact_arithmetic_moe(par, FAST)
+    gen = torch.Generator().manual_seed(8)
+    for n in (1, 2, 3, 5):
+        x = torch.randint(-8, 9, (n, exact_moe.ctx.args.dim), generator=gen).bfloat16()
+        with torch.inference_mode():
+            weights, idx = fast_moe.gate(x)
+            want = exact_moe.nx.combine_experts(looped_experts(exact_moe, x, weights, idx), idx, par)
+            first = fast_moe.experts[fast_moe.start]
+            out = nx.selected_experts(fast_moe.stacked, first.w1.kind, fast_moe.start, fast_moe.n_local,
+                                      fast_moe.n_experts, x, weights, idx, first.swiglu)      # [N, k, D]
             got = NX_FAST.combine_experts(out, idx, par)
         assert want.abs().sum() > 0 and torch.equal(got, want), n
 

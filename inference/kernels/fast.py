@@ -35,8 +35,8 @@ from the arithmetic.
 import torch
 import torch.nn.functional as F
 
-from ..quant import e2m1_values, ue8m0_to_float
-from .reference import CHUNK, Exact, act_quant
+from ..quant import C448, CodeTables, ceil_pow2
+from .reference import CHUNK, Exact
 
 BLOCK = 32
 
@@ -59,37 +59,44 @@ def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.float(), b.float())
 
 
-def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: torch.dtype,
+                   tables: CodeTables = None) -> torch.Tensor:
     """Stored weight -> its exact value in `dtype`, over any leading (expert) dims.
     fp8: E4M3 [..., N, K] with UE8M0 [..., ceil(N/32), ceil(K/32)]; fp4: packed [..., N, K/2] with UE8M0
-    [..., N, K/32]; bf16 / fp32 kinds (scale None) are only cast."""
+    [..., N, K/32]; bf16 / fp32 kinds (scale None) are only cast. `tables`: the device's CodeTables."""
     if scale is None:
         return weight.to(dtype)
-    s = ue8m0_to_float(scale).to(dtype)
+    s = scale.view(torch.float8_e8m0fnu).to(dtype)                 # exact powers of two
     if kind == "fp8":
         n, k = weight.shape[-2:]
+        if n % BLOCK == 0 and k % BLOCK == 0:                      # each 32 x 32 block times its scale
+            w = weight.to(dtype).unflatten(-1, (k // BLOCK, BLOCK)).unflatten(-3, (n // BLOCK, BLOCK))
+            return (w * s.unsqueeze(-1).unsqueeze(-3)).flatten(-2).flatten(-3, -2)
         s = s.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]   # [..., N, K]
         return weight.to(dtype) * s
-    b = weight.view(torch.uint8)
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2).long()   # [..., N, K], low nibble first
-    values = e2m1_values(weight.device, dtype)[codes]
-    return values * s.repeat_interleave(BLOCK, -1)
+    values = (tables or CodeTables(weight.device)).fp4(weight, dtype)       # [..., N, K]
+    return (values.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)
 
 
 def quant_act(x: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
-    """act_quant(x) dequantised: e4m3(x / s) * s per `block`, exact in bf16 and fp32. [..., K] -> [..., K]."""
-    q, s = act_quant(x, block)
-    return (q.to(dtype).unflatten(-1, (-1, block)) * s.to(dtype).unsqueeze(-1)).flatten(-2)
+    """act_quant(x) dequantised: e4m3(x / s) * s per `block`, exact in bf16 and fp32. [..., K] -> [..., K].
+    The same values as reference.act_quant's in fewer operations: the block maxima by one max-norm, no
+    clamp before the cast (|x / s| <= 448 by the choice of s, and torch's E4M3 cast saturates as the clamp
+    would)."""
+    g = x.unflatten(-1, (-1, block))                                                 # [..., K/b, b]
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True).float()   # exact
+    s = ceil_pow2(amax.clamp_min(1e-4) * C448)                                       # [..., K/b, 1]
+    q = (g / s).to(torch.float8_e4m3fn)
+    return (q.to(dtype) * s.to(dtype)).flatten(-2)
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor = None) -> torch.Tensor:
     """FP8 x FP8 / FP8 x FP4 GEMM semantics with one matmul: x [..., K] bf16, w [N, K] dequantised in the
-    compute dtype -> [..., N] bf16. Same products as reference.block_scaled_gemm, summed in the GEMM's order
-    instead of per 32-block partials in K order."""
-    a = quant_act(x, w.dtype)                                       # [..., K]
-    lead = a.shape[:-1]
+    compute dtype -> [..., N] bf16 (`a`: quant_act(x, w.dtype) when already made). Same products as
+    reference.block_scaled_gemm, summed in the GEMM's order instead of per 32-block partials in K order."""
+    a = quant_act(x, w.dtype) if a is None else a                   # [..., K]
     y = matmul_fp32(a.reshape(-1, a.shape[-1]), w.t())             # [M, N] fp32
-    return y.to(torch.bfloat16).view(*lead, w.shape[0])
+    return y.to(torch.bfloat16).view(*x.shape[:-1], w.shape[0])
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, quantize: bool) -> torch.Tensor:
@@ -119,7 +126,9 @@ def _attend(q, kv, sink, idx, scale):
     b, m, h, d = q.shape
     t = idx.shape[-1]
     nc = max(1, -(-t // CHUNK))
-    idx = F.pad(idx, (0, nc * CHUNK - t), value=-1).long()          # [B, M, T'], T' = nc * 64
+    if nc * CHUNK > t:
+        idx = F.pad(idx, (0, nc * CHUNK - t), value=-1)             # [B, M, T'], T' = nc * 64
+    idx = idx.long()
     valid = idx >= 0
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     rows = kv[batch, idx.clamp_min(0)]                              # [B, M, T', D]
@@ -152,70 +161,101 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def moe_decode(x: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-               w2: torch.Tensor, quantize: bool, swiglu) -> torch.Tensor:
+def _bmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [G, M, K] (already quantised) @ w [G, N, K]^T accumulated in fp32 -> [G, M, N] bf16."""
+    return matmul_fp32(a, w.transpose(-1, -2)).to(torch.bfloat16)
+
+
+def moe_decode(a: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+               w2: torch.Tensor, quantize: bool, swiglu, out_dtype: torch.dtype) -> torch.Tensor:
     """Routed experts of one decode step: one batched GEMM per projection over the A experts the step uses.
 
-    x [N, D] bf16; slot [N, k]: each selection's index into the stacked experts (-1 = another rank's expert);
-    weights [N, k] fp32; w1 / w3 [A, I, D] and w2 [A, D, I]: the dequantized weights of those experts;
-    quantize: FP8/FP4 experts (act_quant before each GEMM) rather than bf16 ones.
-    `swiglu(gate, up, weights)` is the expert activation (clamps, SiLU, routing weight) -> fp32.
-    Returns [N, k, D] bf16, zero for other ranks' selections. Each of the A experts runs on all N tokens
-    (N is the decode batch): each weight is read once, and since act_quant works per row, the rows kept are
-    the numbers a per-expert loop over its own tokens forms."""
+    a [N, D]: the tokens' activations as the GEMMs take them (act_quant'ed for FP8/FP4 experts); slot [N, k]:
+    each selection's index into the stacked experts (-1 = another rank's expert); weights [N, k] fp32;
+    w1 / w3 [A, I, D] and w2 [A, D, I]: the dequantized weights of those experts; quantize: FP8/FP4 experts
+    (act_quant before w2 too). `swiglu(gate, up, weights)` is the expert activation (clamps, SiLU, routing
+    weight) -> fp32. Returns [N, k, D] bf16, zero for other ranks' selections. Each of the A experts runs on
+    all N tokens (N is the decode batch): each weight is read once, and since act_quant works per row, the
+    rows kept are the numbers a per-expert loop over its own tokens forms."""
     n, k = slot.shape
     g = w1.shape[0]                                                 # A
-    tok = torch.arange(n, device=x.device).unsqueeze(1).expand(n, k)
+    tok = torch.arange(n, device=a.device).unsqueeze(1).expand(n, k)
     take = torch.where(slot >= 0, slot, g)                          # [N, k]; row A is a zero dummy
-    xs = x.unsqueeze(0).expand(g, n, x.shape[-1])                   # [A, N, D]
-    gate = grouped_gemm(xs, w1, quantize)[slot.clamp_min(0), tok]   # [N, k, I]
-    up = grouped_gemm(xs, w3, quantize)[slot.clamp_min(0), tok]
-    h = swiglu(gate, up, weights.unsqueeze(-1)).to(x.dtype)         # [N, k, I]
+    xs = a.unsqueeze(0).expand(g, n, a.shape[-1])                   # [A, N, D]
+    gate = _bmm(xs, w1)[slot.clamp_min(0), tok]                     # [N, k, I]
+    up = _bmm(xs, w3)[slot.clamp_min(0), tok]
+    h = swiglu(gate, up, weights.unsqueeze(-1)).to(out_dtype)       # [N, k, I]
     hs = h.new_zeros(g + 1, n, h.shape[-1])                         # [A + 1, N, I]; a token selects an
     hs[take, tok] = h                                               # expert at most once
-    out = grouped_gemm(hs[:g], w2, quantize)                        # [A, N, D]
+    hs = quant_act(hs[:g], w2.dtype) if quantize else hs[:g].to(w2.dtype)
+    out = _bmm(hs, w2)                                              # [A, N, D]
     return F.pad(out, (0, 0, 0, 0, 0, 1))[take, tok]                # [N, k, D]
 
 
-def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, x: torch.Tensor, weights: torch.Tensor,
-                        idx: torch.Tensor, swiglu) -> torch.Tensor:
+def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts: int, x: torch.Tensor,
+                        weights: torch.Tensor, idx: torch.Tensor, swiglu,
+                        tables: CodeTables = None) -> torch.Tensor:
     """The routed experts of a decode step (or a small call) with every shape fixed by N, k and the number of
     local experts E (no host sync): stacked {projection: (weights [E, ...], scales [E, ...] or None)}, this
-    rank's experts start..start + E of `kind`; x [N, D], weights and idx [N, k]; `swiglu(gate, up, weights)`
-    the expert activation -> [N, k, D] bf16, zero for other ranks' experts. With N k <= E, each selection's
-    expert weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k
-    selections; otherwise every local expert runs on every token (moe_decode), which reads no weight twice."""
+    rank's experts start..start + E (of n_experts) of `kind`; x [N, D], weights and idx [N, k];
+    `swiglu(gate, up, weights)` the expert activation -> [N, k, D] bf16, zero for other ranks' experts. The
+    tokens' activations are quantised once for every selection. With N k <= E, each selection's expert
+    weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k selections;
+    otherwise every local expert runs on every token (moe_decode), which reads no weight twice."""
     n, k = idx.shape
-    own = (idx >= start) & (idx < start + n_local)                                   # [N, k]
-    local = torch.where(own, idx - start, 0)                                         # [N, k]
+    own = None
+    local = idx - start if start else idx                                            # [N, k]
+    if n_local < n_experts:                                       # other ranks hold some experts
+        own = (local >= 0) & (local < n_local)
+        local = torch.where(own, local, 0)
     quantize, dtype = stacked["w1"][1] is not None, compute_dtype(x.device)
+    a = quant_act(x, dtype) if quantize else x.to(dtype)                             # [N, D]
 
     def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
         w, s = stacked[name]
         if rows is not None:
             w = w.view(torch.uint8)[rows].view(w.dtype)
             s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
-        return dequant_weight(w, s, kind, dtype)
+        return dequant_weight(w, s, kind, dtype, tables)
 
     if n * k <= n_local:
         sel = local.flatten()                                                        # [N k]
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)                              # [N k, 1, D]
-        gate = grouped_gemm(xs, weights_of("w1", sel), quantize)                     # [N k, 1, I]
-        up = grouped_gemm(xs, weights_of("w3", sel), quantize)
+        xs = a.repeat_interleave(k, dim=0).unsqueeze(1)                              # [N k, 1, D]
+        gate, up = _bmm(xs, weights_of("w1", sel)), _bmm(xs, weights_of("w3", sel))   # [N k, 1, I]
         h = swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
-        out = grouped_gemm(h, weights_of("w2", sel), quantize).view(n, k, -1)        # [N, k, D]
+        h = quant_act(h, dtype) if quantize else h.to(dtype)
+        out = _bmm(h, weights_of("w2", sel)).view(n, k, -1)                          # [N, k, D]
     else:
-        out = moe_decode(x, torch.where(own, local, -1), weights, weights_of("w1"), weights_of("w3"),
-                         weights_of("w2"), quantize, swiglu)
-    return torch.where(own.unsqueeze(-1), out, 0)
+        out = moe_decode(a, local if own is None else torch.where(own, local, -1), weights, weights_of("w1"),
+                         weights_of("w3"), weights_of("w2"), quantize, swiglu, x.dtype)
+    return out if own is None else torch.where(own.unsqueeze(-1), out, 0)
+
+
+def sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    """reference.hc_split_sinkhorn's computation in two operations per normalisation: comb lives in an
+    [hc + 1, hc + 1] frame whose last column and row hold eps, so that a row (column) sum over the frame is
+    the sum plus eps, and the [hc, hc] block is divided in place. -> pre [..., hc], post [..., hc], comb
+    [..., hc, hc] (a view of the frame)."""
+    gates = torch.sigmoid(torch.addcmul(base[:2 * hc], mixes[..., :2 * hc], scale[:2].repeat_interleave(hc)))
+    pre, post = gates[..., :hc] + eps, 2 * gates[..., hc:]
+    comb = torch.addcmul(base[2 * hc:], mixes[..., 2 * hc:], scale[2]).unflatten(-1, (hc, hc)).softmax(-1)
+    frame = F.pad(comb, (0, 1, 0, 1), value=eps)                    # [..., hc + 1, hc + 1]
+    block = frame[..., :hc, :hc]
+    block.add_(eps)                                                 # row softmax + eps
+    block.div_(frame[..., :, :hc].sum(-2, keepdim=True))            # column pass
+    for _ in range(iters - 1):
+        block.div_(frame[..., :hc, :].sum(-1, keepdim=True))
+        block.div_(frame[..., :, :hc].sum(-2, keepdim=True))
+    return pre, post, block
 
 
 # ---- the fast order behind the numerics interface ----
 
 class Fast(Exact):
     """Loop-free torch at the reference's rounding points: GEMMs on weights dequantised once into the compute
-    dtype, batched attention and index scores; on a GPU, a decode step's routed experts from batched GEMMs on
-    the experts it selects (fixed_shape_experts, applied by moe.StackedExperts)."""
+    dtype, batched attention and index scores, the normalisations and the hyper-connections' stream sums as
+    one kernel each, Sinkhorn in two operations per normalisation; on a GPU, a decode step's routed experts
+    from batched GEMMs on the experts it selects (fixed_shape_experts, applied by moe.StackedExperts)."""
 
     name = "fast"
 
@@ -230,13 +270,56 @@ class Fast(Exact):
         if dtype == torch.float32:
             return super().dequantized(held, dtype)
         return held.derived.get(held.weight, f"dequantized:{dtype}",
-                                 lambda: dequant_weight(held.weight, held.scale, held.kind, dtype))
+                                 lambda: dequant_weight(held.weight, held.scale, held.kind, dtype,
+                                                        self.tables))
 
     def quant_linear(self, held, x):
         return gemm(x, self.dequantized(held, compute_dtype(x.device)))
+
+    def linears(self, helds, x):
+        """FP8/FP4 Linears that read the same x: its act_quant once (the same numbers: it works per row)."""
+        if self.golden or any(h.scale is None for h in helds):
+            return super().linears(helds, x)
+        dtype = compute_dtype(x.device)
+        a = quant_act(x, dtype)
+        return tuple(gemm(x, self.dequantized(h, dtype), a) for h in helds)
+
+    def rms_norm(self, x, weight, eps, derived):
+        """torch's fused RMSNorm on the fp32 values with the fp32 weight (kept), one cast out."""
+        w = derived.get(weight, "float32", weight.float) if weight.dtype != torch.float32 else weight
+        return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+
+    def hc_mix_logits(self, u, fn, eps, derived):
+        """The scalar applied first (torch's fused RMSNorm without a weight), then the GEMM."""
+        u = u.float()
+        return self.dense(F.rms_norm(u, (u.shape[-1],), None, eps), fn, derived)
+
+    def hc_pre(self, x, pre):
+        """One batched product per token: pre [.., 1, hc] @ x [.., hc, D]."""
+        return matmul_fp32(pre.unsqueeze(-2), x.float()).squeeze(-2).to(x.dtype)
+
+    def hc_post(self, y, residual, post, comb):
+        """post (x) y + comb^T @ R as one batched multiply-add per token."""
+        b, s, hc, d = residual.shape
+        outer = post.unsqueeze(-1) * y.float().unsqueeze(-2)                        # [B, S, hc, D]
+        out = torch.baddbmm(outer.view(-1, hc, d), comb.reshape(-1, hc, hc).transpose(-1, -2),
+                            residual.float().view(-1, hc, d))
+        return out.view(b, s, hc, d).to(y.dtype)
+
+    def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
+        return sinkhorn(mixes, scale, base, hc, iters, eps)
 
     def sparse_attn(self, q, kv, sink, idx, scale):
         return sparse_attn(q, kv, sink, idx, scale)
 
     def local_index_scores(self, q, keys, w):
         return index_scores(q, keys, w)
+
+    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu):
+        return fixed_shape_experts(stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu,
+                                   self.tables)
+
+    def combine_experts(self, out, idx, par):
+        """The k selections' outputs summed in fp32 in one reduction (not one add per expert in increasing
+        index), then the ranks' sums all-reduced."""
+        return par.all_reduce(out.sum(1, dtype=torch.float32))

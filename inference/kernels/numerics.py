@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..quant import dequant_fp4_weight, dequant_fp8_weight
+from ..quant import CodeTables, dequant_fp4_weight, dequant_fp8_weight
 
 BLOCK = 32
 
@@ -96,6 +96,7 @@ class Numerics:
     def __init__(self, golden: bool = False, device="cpu"):
         self.golden = golden
         self.device = torch.device(device)
+        self.tables = CodeTables(self.device)      # the formats' decode tables on this device, made once
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(golden={self.golden}, device={self.device})"
@@ -130,6 +131,11 @@ class Numerics:
             return self.dense(x, held.weight, held.derived)
         return self.quant_linear(held, x)
 
+    def linears(self, helds, x: torch.Tensor):
+        """Several Linears that read the same x -> their outputs, in order. An order may quantise x once for
+        all of them (act_quant works per row: the same numbers as each Linear alone)."""
+        return tuple(self.linear(h, x) for h in helds)
+
     def quant_linear(self, held: Held, x: torch.Tensor) -> torch.Tensor:
         """The FP8/FP4 GEMM: act_quant(x) per 32, the weight's exact products, bf16 out."""
         raise NotImplementedError
@@ -153,6 +159,36 @@ class Numerics:
         g multiplied by rows g*r..(g+1)*r of the weight, in x's dtype."""
         w = weight.to(x.dtype).view(groups, -1, x.shape[-1])             # [G, r, d]
         return torch.einsum("bsgd,grd->bsgr", x, w)
+
+    # ---- normalisations and the hyper-connections' stream sums ----
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, derived: Derived) -> torch.Tensor:
+        """weight * x / sqrt(mean(x^2) + eps) over the last dim, in fp32, x's dtype out. `derived`: where an
+        order keeps what it lays out from the weight (its fp32 copy)."""
+        u = x.float()
+        u = u * self.rsqrt(self.mean(u * u, -1, keepdim=True) + eps)
+        return (weight.float() * u).to(x.dtype)
+
+    def hc_mix_logits(self, u: torch.Tensor, fn: torch.Tensor, eps: float, derived: Derived) -> torch.Tensor:
+        """A token's flattened streams u [..., hc * D] -> (u . fn^T) / sqrt(mean(u^2) + eps) in fp32: the GEMM
+        first, then the scalar (fn [(2 + hc) * hc, hc * D] fp32, laid out in `derived`)."""
+        u = u.float()
+        rsqrt = self.rsqrt(self.mean(u * u, dim=-1, keepdim=True) + eps)
+        return self.dense(u, fn, derived) * rsqrt
+
+    def hc_pre(self, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Collapse streams x [B, S, hc, D] with weights pre [B, S, hc]: sum_j pre_j x_j in fp32 -> [B, S, D]
+        in x's dtype."""
+        return self.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+    def hc_post(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+        """Expand: stream k = post_k y + sum_j comb[j, k] R_j in fp32 (the sum over comb's first index) ->
+        [B, S, hc, D] in y's dtype. y [B, S, D], residual [B, S, hc, D], post [B, S, hc], comb
+        [B, S, hc, hc]."""
+        out = post.unsqueeze(-1) * y.float().unsqueeze(-2) + \
+            self.sum(comb.unsqueeze(-1) * residual.float().unsqueeze(-2), dim=2)
+        return out.to(y.dtype)
 
     # ---- elementwise functions and reductions ----
 
@@ -249,7 +285,17 @@ class Numerics:
     def _fp4_qdq_e4m3_(self, x, block):
         raise NotImplementedError
 
-    # ---- the MoE's sum over its routed experts ----
+    # ---- the MoE's routed experts ----
+
+    def selected_experts(self, stacked, kind: str, start: int, n_local: int, n_experts: int, x: torch.Tensor,
+                         weights: torch.Tensor, idx: torch.Tensor, swiglu) -> torch.Tensor:
+        """The routed experts of a decode step (or a small call) with every shape fixed by the batch and the
+        top-k, no host sync (orders with gathers_experts): stacked {projection: (weights [E, ...], scales
+        [E, ...] or None)} this rank's experts start..start + n_local (of n_experts) of `kind`; x [N, D],
+        weights and idx [N, k]; swiglu(gate, up, weights) the expert activation -> [N, k, D] in x's dtype,
+        zero for other ranks' experts."""
+        raise NotImplementedError
+
 
     def combine_experts(self, out: torch.Tensor, idx: torch.Tensor, par) -> torch.Tensor:
         """Each selection's expert output out [N, k, D] (zero where another rank's expert was chosen) and the

@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..config import ModelArgs, RuntimeOptions
+from .synthetic import engram_table_sizes
 
 # A model shaped like tests/fixtures/reference-tiny (every layer role), with the real vocabulary.
 TINY = dict(vocab_size=129280, dim=256, n_layers=8, n_mtp_layers=2, n_heads=4, head_dim=128, rope_head_dim=32,
@@ -40,25 +41,8 @@ MODELS = {"tiny": TINY, "large": LARGE}
 def make_args(name: str, max_seq_len: int) -> ModelArgs:
     cfg = dict(MODELS[name])
     if cfg["engram_num_embeddings"] is None:      # the sums of the first primes above engram_vocab_size
-        cfg["engram_num_embeddings"] = _prime_sums(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
+        cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
     return ModelArgs.from_dict(cfg, max_seq_len=max_seq_len, max_batch_size=1, temperature=0.0)
-
-
-def _prime_sums(args: ModelArgs):
-    from ..engram import is_prime
-    seen, sums, c0 = set(), [], args.engram_vocab_size - 1
-    for _ in args.engram_layer_ids:
-        total = 0
-        for _order in range(2, args.engram_max_ngram_size + 1):
-            c = c0
-            for _head in range(args.engram_n_heads):
-                c += 1
-                while not is_prime(c) or c in seen:
-                    c += 1
-                seen.add(c)
-                total += c
-        sums.append(total)
-    return sums
 
 
 def build(name: str, args: ModelArgs, workdir: str, device: str, opts: RuntimeOptions = None):
@@ -147,6 +131,9 @@ def main(argv=None):
     if argv[:1] == ["experts"]:                  # the CPU routed-expert kernel: its own options
         from .bench_experts import main as experts_main
         return experts_main(argv[1:])
+    if argv[:1] == ["launches"]:                 # device ops and host syncs per step: its own options
+        from .launches import main as launches_main
+        return launches_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
     ap.add_argument("--contexts", default="1024,8192", help="prompt lengths to decode after")

@@ -97,6 +97,26 @@ class Param:
 # ----------------------------------------------------------------------------------------------------------
 # The tensor list (docs/checkpoint.md §1.2, generalised to any config)
 
+def engram_table_sizes(args: ModelArgs) -> List[int]:
+    """engram_num_embeddings for a config of another Engram vocabulary size: per Engram layer, the sum of the
+    table sizes its hashes use, the first unused primes above engram_vocab_size (one per n-gram order and
+    head), as the released config's are made."""
+    from inference.engram import is_prime
+    seen, sums, c0 = set(), [], args.engram_vocab_size - 1
+    for _ in args.engram_layer_ids:
+        total = 0
+        for _order in range(2, args.engram_max_ngram_size + 1):
+            c = c0
+            for _head in range(args.engram_n_heads):
+                c += 1
+                while not is_prime(c) or c in seen:
+                    c += 1
+                seen.add(c)
+                total += c
+        sums.append(total)
+    return sums
+
+
 def _linear(args: ModelArgs, name: str, out: int, inp: int, gain: float = 1.0) -> Param:
     std = ("normal", 0.0, gain * inp ** -0.5)
     if args.dtype == "fp8":
