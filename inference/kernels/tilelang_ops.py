@@ -262,6 +262,72 @@ def block_scaled_gemm_kernel(n: int, k: int, weight_format: str = "fp8", config:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The routed experts of a decode step: each selection's activation row through its own expert's weights, with
+# the block-scaled GEMM's arithmetic (one MMA per 32-wide K block, power-of-two rescale, K order). The expert
+# of selection p is read from a device tensor, so the launch's shape is fixed by the batch and the top-k (no
+# host sync, CUDA-graph safe); the weights are read from their stored bytes, never dequantised to memory.
+
+def expert_gemm_kernel(n: int, k: int, weight_format: str = "fp4", rows_per_token: int = 1):
+    """A E4M3 [M, k] with fp32 scales [M, k/32] (the tokens' act_quant), Exp int32 [P] (selection p's expert,
+    in [0, E)), weights W [E, n, k] E4M3 with UE8M0 [E, ceil(n/32), k/32] ("fp8") or [E, n, k/2] E2M1 pairs
+    with UE8M0 [E, n, k/32] ("fp4") -> C bf16 [P, n]: C[p] = A[p // rows_per_token] W[Exp[p]]^T. One block per
+    (selection, column tile) on the decode GEMM's tiles: the selection's row fills the MMA's 64 rows (the
+    others compute the same and are not stored), so each block reads one tile of one expert's bytes."""
+    if weight_format not in ("fp8", "fp4"):
+        raise ValueError(f"weight_format must be 'fp8' or 'fp4', got {weight_format!r}")
+    if k % GEMM_BLOCK or n % 16:
+        raise ValueError(f"expert GEMM needs K % 32 == 0 and N % 16 == 0, got N={n}, K={k}")
+    if rows_per_token < 1:
+        raise ValueError(f"rows_per_token must be >= 1, got {rows_per_token}")
+    cfg = GEMM_CONFIGS["decode"]
+    bm, threads, stages = cfg["block_m"], cfg["threads"], cfg["stages"]
+    bn = next(b for b in (128, 64, 32, 16) if n % b == 0 and b <= cfg["block_n"])
+    bk = next(b for b in (128, 64, 32) if k % b == 0)
+    sub, gb = bk // GEMM_BLOCK, GEMM_BLOCK
+    fp4 = weight_format == "fp4"
+    m, p_, e_ = T.dynamic("M"), T.dynamic("P"), T.dynamic("E")
+    w_shape, w_dtype = ((e_, n, k // 2), U8) if fp4 else ((e_, n, k), E4M3)
+    ws_shape = (e_, n, k // gb) if fp4 else (e_, (n + gb - 1) // gb, k // gb)
+
+    @T.prim_func
+    def expert_gemm(A: T.Tensor((m, k), E4M3), SA: T.Tensor((m, k // gb), FP32), Exp: T.Tensor((p_,), I32),
+                    W: T.Tensor(w_shape, w_dtype), WS: T.Tensor(ws_shape, U8), C: T.Tensor((p_, n), BF16)):
+        with T.Kernel(p_, T.ceildiv(n, bn), threads=threads) as (sel, bx):   # selections on x
+            a_tile = T.alloc_shared((bm, bk), E4M3)
+            w_tile = T.alloc_shared((bn, bk), E4M3)
+            packed = T.alloc_shared((bn, bk // 2), U8)
+            part = T.alloc_fragment((bm, bn), FP32)
+            acc = T.alloc_fragment((bm, bn), FP32)
+            row = sel // rows_per_token
+            e = Exp[sel]
+            T.clear(acc)
+            for ko in T.Pipelined(k // bk, num_stages=stages):
+                for i, j in T.Parallel(bm, bk):          # the selection's row in every row of the tile
+                    a_tile[i, j] = A[row, ko * bk + j]
+                if fp4:
+                    T.copy(W[e, bx * bn:(bx + 1) * bn, ko * (bk // 2):(ko + 1) * (bk // 2)], packed)
+                    for i, j in T.Parallel(bn, bk):
+                        code = T.Cast("int32", packed[i, j // 2] >> T.Cast("uint8", (j % 2) * 4)) & 15
+                        w_tile[i, j] = T.reinterpret(T.Cast(U8, _e2m1_code_to_e4m3_bits(code)), E4M3)
+                else:
+                    T.copy(W[e, bx * bn:(bx + 1) * bn, ko * bk:(ko + 1) * bk], w_tile)
+                for kb in T.serial(sub):
+                    T.gemm(a_tile[:, kb * gb:(kb + 1) * gb], w_tile[:, kb * gb:(kb + 1) * gb], part,
+                           transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(bm, bn):
+                        if fp4:
+                            w_s = _ue8m0(WS[e, bx * bn + j, ko * sub + kb])
+                        else:
+                            w_s = _ue8m0(WS[e, (bx * bn + j) // gb, ko * sub + kb])
+                        acc[i, j] += part[i, j] * (SA[row, ko * sub + kb] * w_s)
+            for i, j in T.Parallel(bm, bn):
+                if i == 0:
+                    C[sel, bx * bn + j] = T.Cast(BF16, acc[i, j])
+
+    return expert_gemm
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Sparse attention with a sink: one block per (query row, 64 heads), walking the index list in 64-entry
 # chunks in order (the chunking is part of the numerics: P is rounded to bf16 relative to the running max).
 
@@ -443,6 +509,7 @@ FACTORIES = {
     "fp4_qdq_e4m3_": fp4_qdq_e4m3_kernel,                           # (k, block, dtype)
     "fp8_gemm": lambda n, k, config: block_scaled_gemm_kernel(n, k, "fp8", config),
     "fp4_gemm": lambda n, k, config: block_scaled_gemm_kernel(n, k, "fp4", config),
+    "expert_gemm": expert_gemm_kernel,                              # (n, k, weight_format, rows_per_token)
     "sparse_attn": sparse_attn_kernel,                              # (heads, head_dim, scale)
     "hc_split_sinkhorn": hc_sinkhorn_kernel,                        # (hc, iters, eps)
     "index_scores": index_scores_kernel,                            # (heads, head_dim)
@@ -547,6 +614,12 @@ def builds(cfg: dict, world_size: int = 1, settings: str = "default"):
     expert_format = "fp4" if cfg.get("expert_dtype", "fp4") == "fp4" else "fp8"
     out += gemm_builds(expert_format, inter, dim, "expert.w1") + gemm_builds(expert_format, dim, inter,
                                                                              "expert.w2")
+    for topk in dict.fromkeys([cfg["n_activated_experts"], cfg.get("dspark_n_activated_experts", 0)]):
+        if topk:
+            out.append(Build("expert_gemm", f"expert.w1/w3 [E, {inter}, {dim}] {expert_format}, top-{topk}",
+                             (inter, dim, expert_format, topk)))
+    out.append(Build("expert_gemm", f"expert.w2 [E, {dim}, {inter}] {expert_format}",
+                     (dim, inter, expert_format, 1)))
     hc, iters = cfg["hc_mult"], cfg["hc_sinkhorn_iters"]
     out += [Build("sparse_attn", f"q [B, M, {heads}, {hd}], kv [B, N, {hd}], idx [B, M, K]",
                   (heads, hd, float(hd ** -0.5))),
@@ -710,7 +783,8 @@ def fp4_qdq_e4m3_(x: torch.Tensor, block: int = 16, settings: str = "default") -
     return _in_place("fp4_qdq_e4m3_", x, block, settings)
 
 
-def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
+def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str, quantized=None) -> torch.Tensor:
+    """`quantized`: act_quant(x)'s (q, s) when already made (several weights reading one x)."""
     _settings(settings)
     _expect(_is(x, torch.bfloat16, torch.float32) and x.dim() >= 1 and x.shape[-1] % GEMM_BLOCK == 0, fn, "x",
             "bfloat16 or float32 [..., K] with K a multiple of 32", x)
@@ -729,7 +803,7 @@ def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
             f"float8_e8m0fnu {list(want_scale)}", scale)
     _expect(n % 16 == 0, fn, "weight", "[N, ...] with N a multiple of 16", weight)
     _placed(fn, x=x, weight=weight, scale=scale)
-    q, s = act_quant(x, GEMM_BLOCK, settings)
+    q, s = act_quant(x, GEMM_BLOCK, settings) if quantized is None else quantized
     m = q.numel() // k
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16, device=x.device)
     if m:
@@ -739,16 +813,54 @@ def _gemm(fn: str, x, weight, scale, fp4: bool, settings: str) -> torch.Tensor:
     return out
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             settings: str = "default") -> torch.Tensor:
-    """act_quant(x) times an E4M3 weight [N, K] with UE8M0 32x32 block scales -> bf16 [..., N]."""
-    return _gemm("fp8_gemm", x, weight, scale, False, settings)
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, settings: str = "default",
+             quantized=None) -> torch.Tensor:
+    """act_quant(x) times an E4M3 weight [N, K] with UE8M0 32x32 block scales -> bf16 [..., N]. `quantized`:
+    act_quant(x, 32) when already made."""
+    return _gemm("fp8_gemm", x, weight, scale, False, settings, quantized)
 
 
-def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             settings: str = "default") -> torch.Tensor:
-    """act_quant(x) times an MXFP4 weight [N, K/2] with UE8M0 per-row scales [N, K/32] -> bf16 [..., N]."""
-    return _gemm("fp4_gemm", x, weight, scale, True, settings)
+def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, settings: str = "default",
+             quantized=None) -> torch.Tensor:
+    """act_quant(x) times an MXFP4 weight [N, K/2] with UE8M0 per-row scales [N, K/32] -> bf16 [..., N].
+    `quantized`: act_quant(x, 32) when already made."""
+    return _gemm("fp4_gemm", x, weight, scale, True, settings, quantized)
+
+
+def expert_gemm(q: torch.Tensor, s: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor, rows_per_token: int = 1, settings: str = "default") -> torch.Tensor:
+    """Each selection's row through its expert, from the stored bytes: q E4M3 [M, K] and s fp32 [M, K/32]
+    (act_quant of the tokens' rows), experts int32 [P] (selection p's expert, row p // rows_per_token of
+    q), weight [E, N, K] float8_e4m3fn with UE8M0 [E, ceil(N/32), K/32], or [E, N, K/2] float4_e2m1fn_x2
+    with UE8M0 [E, N, K/32] -> bf16 [P, N]."""
+    _settings(settings)
+    fn = "expert_gemm"
+    _expect(_is(q, torch.float8_e4m3fn) and q.dim() == 2 and q.shape[1] % GEMM_BLOCK == 0, fn, "q",
+            "float8_e4m3fn [M, K] with K a multiple of 32", q)
+    m, k = q.shape
+    _expect(_is(s, torch.float32) and tuple(s.shape) == (m, k // GEMM_BLOCK), fn, "s",
+            f"float32 [{m}, {k // GEMM_BLOCK}]", s)
+    _expect(_is(experts, torch.int32) and experts.dim() == 1 and experts.shape[0] <= m * rows_per_token, fn,
+            "experts", f"int32 [P] with P <= {m * rows_per_token}", experts)
+    fp4 = _is(weight, torch.float4_e2m1fn_x2)
+    if fp4:
+        _expect(weight.dim() == 3 and weight.shape[2] * 2 == k, fn, "weight",
+                f"float4_e2m1fn_x2 [E, N, K/2] with K = {k}", weight)
+        want_scale = (weight.shape[0], weight.shape[1], k // GEMM_BLOCK)
+    else:
+        _expect(_is(weight, torch.float8_e4m3fn) and weight.dim() == 3 and weight.shape[2] == k, fn, "weight",
+                f"float8_e4m3fn [E, N, K] or float4_e2m1fn_x2 [E, N, K/2] with K = {k}", weight)
+        want_scale = (weight.shape[0], -(-weight.shape[1] // GEMM_BLOCK), k // GEMM_BLOCK)
+    n = weight.shape[1]
+    _expect(_is(scale, torch.float8_e8m0fnu) and tuple(scale.shape) == want_scale, fn, "scale",
+            f"float8_e8m0fnu {list(want_scale)}", scale)
+    _expect(n % 16 == 0, fn, "weight", "[E, N, ...] with N a multiple of 16", weight)
+    _placed(fn, q=q, s=s, experts=experts, weight=weight, scale=scale)
+    out = torch.empty(experts.shape[0], n, dtype=torch.bfloat16, device=q.device)
+    if out.numel():
+        kernel = _compiled(settings, fn, n, k, "fp4" if fp4 else "fp8", rows_per_token)
+        kernel(q, s, experts, weight.view(torch.uint8) if fp4 else weight, scale.view(torch.uint8), out)
+    return out
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
@@ -846,11 +958,38 @@ class TileLang(Fast):
     def __repr__(self) -> str:
         return f"TileLang(golden={self.golden}, device={self.device}, settings={self.settings!r})"
 
-    def quant_linear(self, held, x):
+    def quant_linear(self, held, x, quantized=None):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()                # [M, K]
         gemm = fp8_gemm if held.kind == "fp8" else fp4_gemm
-        y = gemm(x2, held.weight, held.scale, settings=self.settings)
+        y = gemm(x2, held.weight, held.scale, settings=self.settings, quantized=quantized)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def linears(self, helds, x):
+        """FP8/FP4 Linears that read the same x: one act_quant kernel for all of them."""
+        if any(h.scale is None for h in helds):
+            return super().linears(helds, x)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        quantized = act_quant(x2, GEMM_BLOCK, self.settings)
+        return tuple(self.quant_linear(h, x2, quantized).view(*x.shape[:-1], -1) for h in helds)
+
+    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu):
+        """A decode step's routed experts by the expert GEMM kernel on the stored bytes: act_quant of the
+        tokens, w1 and w3 per selection, the SwiGLU, act_quant, w2 per selection (fixed shapes, no sync)."""
+        if kind not in ("fp8", "fp4"):
+            return super().selected_experts(stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu)
+        n, k = idx.shape
+        local = idx - start if start else idx                                    # [N, k]
+        own = None
+        if n_local < n_experts:                                   # other ranks hold some experts
+            own = (local >= 0) & (local < n_local)
+            local = torch.where(own, local, 0)
+        experts = local.flatten().to(torch.int32)                                # [N k]
+        q, s = act_quant(x.contiguous(), GEMM_BLOCK, self.settings)              # [N, D] each token once
+        gate, up = (expert_gemm(q, s, experts, *stacked[p], k, self.settings) for p in ("w1", "w3"))
+        h = swiglu(gate, up, weights.reshape(-1, 1)).to(x.dtype)                 # [N k, I]
+        hq, hs = act_quant(h, GEMM_BLOCK, self.settings)
+        out = expert_gemm(hq, hs, experts, *stacked["w2"], 1, self.settings).view(n, k, -1)   # [N, k, D]
+        return out if own is None else torch.where(own.unsqueeze(-1), out, 0)
 
     def sparse_attn(self, q, kv, sink, idx, scale):
         return sparse_attn(q.contiguous(), kv.contiguous(), sink, idx.contiguous(), scale,

@@ -317,6 +317,24 @@ def kernel_cases(cfg: dict, ops=None, long_rows: int = 0):
             return ok, f"{measured}, <= {_bf16_ulps_apart(out[big], want[big])} ulp off-floor", tol
         cases.append((f"{fmt}_gemm", f"{label} [{n}, {k}], M = {m}", run))
 
+    def expert_case(fmt, label, n, k, tokens, topk, experts=8):
+        def run(gen, settings="default"):
+            made = [(_e4m3_weight if fmt == "fp8" else _fp4_weight)(n, k, gen) for _ in range(experts)]
+            stack = lambda ts: torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)   # noqa: E731
+            w, s = stack([a for a, _ in made]), stack([b for _, b in made])           # [E, N, ...]
+            x = _activations(tokens, k, gen)
+            sel = torch.randint(0, experts, (tokens * topk,), generator=gen, device=gen.device,
+                                dtype=torch.int32)
+            q, sa = ops.act_quant(x, 32, settings=settings)
+            out = ops.expert_gemm(q, sa, sel, w, s, topk, settings=settings)        # [P, N]
+            deq = dequant_fp8_weight if fmt == "fp8" else dequant_fp4_weight
+            want = torch.cat([ref.block_scaled_gemm(x[p // topk:p // topk + 1], deq(*made[e]))
+                              for p, e in enumerate(sel.tolist())])
+            ok, measured, tol = _close(out, want, "gemm")
+            big = want.float().abs() >= CASE_TOLERANCES["gemm"][1] * want.float().abs().max()
+            return ok, f"{measured}, <= {_bf16_ulps_apart(out[big], want[big])} ulp off-floor", tol
+        cases.append(("expert_gemm", f"{label} [{experts}, {n}, {k}], {tokens} x top-{topk}", run))
+
     def attn_case(b, m, n_win, n_comp, k_comp):
         def run(gen, settings="default"):
             n = n_win + n_comp
@@ -373,6 +391,9 @@ def kernel_cases(cfg: dict, ops=None, long_rows: int = 0):
         gemm_case("fp8", "wo_b", dim, cfg["o_groups"] * cfg["o_lora_rank"], m)
         gemm_case("fp4", "expert.w1", inter, dim, m)
         gemm_case("fp4", "expert.w2", dim, inter, m)
+    expert_fmt = "fp4" if cfg.get("expert_dtype", "fp4") == "fp4" else "fp8"
+    expert_case(expert_fmt, "expert.w1", inter, dim, 2, cfg["n_activated_experts"])   # a decode step's
+    expert_case(expert_fmt, "expert.w2", dim, inter, 12, 1)                            # selections
     attn_case(2, 1, cfg["window_size"], 384, cfg["index_topk"])      # decode, with -1 padding
     attn_case(1, 64, 64, 32, 64)                                       # a prefill chunk
     sinkhorn_case()
@@ -451,6 +472,16 @@ class TorchKernels:
         from ..quant import dequant_fp4_weight
         self._accepted("fp4_gemm", x, weight, scale, settings)
         return fast.gemm(x, dequant_fp4_weight(weight, scale))
+
+    def expert_gemm(self, q, s, experts, weight, scale, rows_per_token=1, settings="default"):
+        import torch
+        from ..kernels import fast
+        self._accepted("expert_gemm", q, s, experts, weight, scale, rows_per_token, settings)
+        kind = "fp4" if weight.dtype == torch.float4_e2m1fn_x2 else "fp8"
+        a = (q.float().unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)      # act_quant's values
+        rows = a[torch.arange(experts.shape[0], device=a.device) // rows_per_token]   # [P, K]
+        w = fast.dequant_weight(weight, scale, kind, a.dtype)[experts.long()]        # [P, N, K]
+        return fast.matmul_fp32(rows.unsqueeze(1), w.transpose(-1, -2)).squeeze(1).bfloat16()
 
     def sparse_attn(self, q, kv, sink, idx, scale, settings="default"):
         from ..kernels import fast
@@ -663,12 +694,12 @@ def bench_config(released: dict, experts: int = 16) -> dict:
     """The released widths with 2 layers (ratio 2 then ratio 1, each its own KV and index source), no MTP /
     DSpark / vision, a small Engram vocabulary and `experts` routed experts."""
     from ..config import ModelArgs
-    from .bench import _prime_sums
+    from .synthetic import engram_table_sizes
     cfg = dict(released, n_layers=2, n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=[1],
                compress_ratios=[2, 1], kv_source_layers=[0, 1], index_source_layers=[0, 1],
                candidate_source_layer=1, engram_layer_ids=[1], engram_vocab_size=1000,
                n_routed_experts=experts, vision_n_layers=0)
-    cfg["engram_num_embeddings"] = _prime_sums(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
+    cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
     return cfg
 
 
