@@ -34,7 +34,7 @@ from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches,
                                          check_writable, load_model, verify_checkpoint)
-from inference.engine.cuda_graph import GraphedDecode
+from inference.engine.cuda_graph import GraphedDecode, eager_reason
 from inference.engine.errors import InputError
 from inference.engine.memory import rank_plan
 from inference.engine.chat import chat
@@ -127,8 +127,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "quarter of their memory and decode reads; the host kernel's summation order)")
     add("--offload", choices=["none", "disk"], default="none", help="disk (CPU): stream blocks from disk")
     add("--language-model-only", action="store_true", help="no vision tower (saves memory; images: an error)")
-    add("--cuda-graph", action="store_true", help="decode steps as CUDA graphs, one per batch size, length "
-        "bucket and parity (plain generation on a GPU)")
+    add("--cuda-graph", dest="cuda_graph", action="store_const", const=True, default=None,
+        help="decode steps as CUDA graphs, one per batch size, length bucket and parity: the default for "
+        "generation on a GPU (this flag makes a run that cannot use them an error instead of eager)")
+    add("--eager", "--no-cuda-graph", dest="cuda_graph", action="store_const", const=False,
+        help="decode steps run eagerly, without CUDA graphs")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if available)")
     add("--threads", type=int, default=None,
@@ -197,11 +200,8 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
          "not with --experts-on host"),
         (o.cpu_linears == "stored" and o.device != "cpu", f"--cpu-linears stored computes the Linears "
          f"held on the CPU: not with --device {o.device}"),
-        (o.cuda_graph and o.experts_on == "host", "--cuda-graph replays decode steps on the GPU alone: not "
-         "with --experts-on host (the host computes the experts)"),
-        (o.cuda_graph and (o.score or o.speculative != "none"),
-         "--cuda-graph is for plain generation (--input-file or --interactive, no --speculative)"),
-        (o.cuda_graph and o.device[:4] != "cuda", f"--cuda-graph needs a CUDA device, not {o.device}"),
+        (o.cuda_graph and not o.device.startswith("cuda"),
+         f"--cuda-graph: CUDA graphs need a CUDA device, not {o.device}"),
         (o.device.startswith("cuda") and not torch.cuda.is_available(),
          f"--device {o.device}: CUDA is not available (use --device cpu)"),
     ]
@@ -210,7 +210,7 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
             raise CLIError(message)
     resolve_reasoning_effort(o.reasoning_effort)     # EncodingError names the accepted values
     # ConfigError names a bad --numerics word (the other fields are argparse choices)
-    return RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk or o.cuda_graph,
+    return RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
                                        fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
                                        kernel_build=o.kernel_build,
                                        engram_on="disk" if o.offload == "disk" else o.engram_on,
@@ -236,6 +236,22 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
                        f"{margs.dspark_block_size})")
     check_chunk(o.prefill_chunk, margs.max_seq_len)     # before the memory plan's meta build
     return margs
+
+
+def cuda_graphs(o: argparse.Namespace, margs: ModelArgs, opts: RuntimeOptions, log: RankLog):
+    """Whether decode steps replay from CUDA graphs (the default on a GPU), and the options they run with:
+    graphs imply deterministic top-k (cuda_graph.py). A run whose default cannot use them says why in one
+    line and runs eagerly; an explicit --cuda-graph that cannot is an error."""
+    if o.cuda_graph is False:
+        return False, opts
+    why = eager_reason(o.device, opts, margs, scoring=bool(o.score), speculative=o.speculative != "none")
+    if why is None:
+        return True, replace(opts, deterministic_topk=True)
+    if o.cuda_graph:
+        raise CLIError(f"--cuda-graph: {why}")
+    if o.device.startswith("cuda"):
+        log.info(f"CUDA graphs off: {why}; decode steps run eagerly")
+    return False, opts
 
 
 def init_runtime(o: argparse.Namespace, world_size: int) -> ParallelContext:
@@ -292,6 +308,7 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     opts = check_options(o)
     check_checkpoint_dir(o.ckpt_path, world_size, need_eos=not o.score)
     margs = model_args(o, world_size)
+    graphed, opts = cuda_graphs(o, margs, opts, log)
 
     par = init_runtime(o, world_size)
     tokenizer = load_tokenizer(o.ckpt_path)
@@ -307,12 +324,13 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     if o.verify:
         verify_checkpoint(o.ckpt_path, par, log.info)
     # One meta build for the loader's memory check and the default prefill chunk; streamed blocks: no check.
-    plan = None if o.offload == "disk" else rank_plan(margs, par, opts, o.device, o.language_model_only)
+    plan = None if o.offload == "disk" else rank_plan(margs, par, opts, o.device, o.language_model_only,
+                                                      cuda_graphs=graphed)
     prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, plan, o.device, log.info)
     model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, o.language_model_only, log.info,
                        offload=o.offload, dspark=o.dspark or spec is not None, plan=plan)
     runner = Runner(model, tokenizer, o.max_new_tokens, eos_id, spec, records=records, rank=par.rank,
-                    prefill_chunk=prefill_chunk, graphs=GraphedDecode(model) if o.cuda_graph else None)
+                    prefill_chunk=prefill_chunk, graphs=GraphedDecode(model) if graphed else None)
     sess = Session(runner, margs, par, log, o)
     start = time.perf_counter()
     if o.score:

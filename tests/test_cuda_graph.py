@@ -65,8 +65,8 @@ def test_cuda_graph_on_a_cpu_is_one_line(tmp_path):
     proc = run_cli(["--ckpt-path", FIXTURE, "--config", os.path.join(FIXTURE, "config.json"),
                     "--device", "cpu", "--input-file", os.path.join(ROOT, "demo", "prompts.txt"),
                     "--cuda-graph"])
-    assert_clean_error(proc, "--cuda-graph needs a CUDA device, not cpu")
+    assert_clean_error(proc, "--cuda-graph: CUDA graphs need a CUDA device, not cpu")
     with pytest.raises(InputError, match="needs --deterministic-topk"):
         GraphedDecode(fixture_model())
-    with pytest.raises(InputError, match="on a CUDA device"):
+    with pytest.raises(InputError, match="need a CUDA device, not cpu"):
         GraphedDecode(fixture_model(RuntimeOptions(deterministic_topk=True)))

@@ -12,6 +12,7 @@ wrappers' argument checks run on fake CUDA tensors with their kernels stubbed.
 A CUDA build of torch is needed (PyPI's Linux wheels; no GPU): the CPU-only build cannot index a tensor of
 another device, fake or not. `.ci/run` runs this file in its CUDA-build environment."""
 import collections
+import contextlib
 import json
 import os
 import traceback
@@ -112,8 +113,8 @@ def fake_cuda(monkeypatch):
 
 def fixture_shaped(**over):
     from inference.config import ModelArgs
-    return ModelArgs.from_file(fixture_file(os.path.join(FIXTURE, "config.json")), max_batch_size=3,
-                               max_seq_len=96, **over)
+    return ModelArgs.from_file(fixture_file(os.path.join(FIXTURE, "config.json")),
+                               **{"max_batch_size": 3, "max_seq_len": 96, **over})
 
 
 def released_two_layers(**over):
@@ -475,3 +476,53 @@ def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
         model(ids[:, 24:25], 24)
     print(json.dumps({k: sorted(v) for k, v in rec.syncs.items()}, indent=1))
     assert rec.syncs["decode"] == HOST_EXPERTS and rec.syncs["prefill"] == HOST_EXPERTS
+
+
+def test_generation_replays_decode_steps_from_cuda_graphs_by_default(tokenizers, monkeypatch):
+    """The capture path on fake CUDA: generate.py's default on a GPU turns graphs on (with deterministic
+    top-k) and says nothing; GraphedDecode runs each new (batch, bucket, parity) step once eagerly on a side
+    stream, captures it and replays it at the positions that follow (torch's stream, graph and capture
+    calls stood in for: fake tensors have no driver). A mode that cannot use graphs says so in one line."""
+    import argparse
+    import generate
+    from inference.engine import generation
+    from inference.engine.cuda_graph import GraphedDecode
+
+    class Stub:
+        def __init__(self, *a, **k):
+            self.replays = 0
+
+        def wait_stream(self, other):
+            pass
+
+        def replay(self):
+            self.replays += 1
+
+    graphs = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stub)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stub())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graphs.append(Stub()) or graphs[-1])
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    lines = []
+    log = type("Log", (), {"info": staticmethod(lines.append)})
+    o = argparse.Namespace(cuda_graph=None, device="cuda", score=None, speculative="none")
+    with fake_cuda(monkeypatch):
+        from inference.config import RuntimeOptions
+        args = fixture_shaped(max_seq_len=320)
+        on, opts = generate.cuda_graphs(o, args, RuntimeOptions.from_profile("reference", kernel_backend="torch"),
+                                        log)
+        assert on and opts.deterministic_topk and not lines
+        off, _ = generate.cuda_graphs(o, args, RuntimeOptions(experts_on="host"), log)
+        assert not off and lines == ["CUDA graphs off: --experts-on host computes the routed experts on the "
+                                     "host, between the GPU's kernels; decode steps run eagerly"]
+        model = build(args, tokenizers["fixture"], deterministic_topk=True)
+        graphed = GraphedDecode(model)
+        prompts = [[5 + i for i in range(252)], [7 + i for i in range(250)]]
+        generation.generate(model, prompts, 10, -1, graphs=graphed)
+    # decode steps at positions 250..260 of a batch of 2 (the longer prompt teacher-forced): buckets 256 and
+    # 320 (max_seq_len), both parities, each captured once and replayed at the rest
+    assert sorted(graphed.graphs) == [(2, 256, 0), (2, 256, 1), (2, 320, 0), (2, 320, 1)]
+    assert graphed.captured == 4 and sum(g.replays for g in graphs) == 11 - 4
+    assert graphed.summary().startswith("CUDA graphs: 4 captured in ")

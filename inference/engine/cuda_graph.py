@@ -1,4 +1,4 @@
-"""`--cuda-graph`: decode steps captured as CUDA graphs and replayed.
+"""CUDA graphs for decode steps: the default for generation on a GPU (`--eager` turns them off).
 
 A decode step's shapes are fixed by the batch, but what it reads grows with the position: the window ring is
 allocated whole, the compressed KV and the index keys grow by a row per group. So the captured step runs at a
@@ -9,16 +9,20 @@ at most max_seq_len), its compressed rows past the position masked out of the in
 then writes and publishes what it does not at even ones. A graph is captured the first time its key is met:
 the step runs once on a side stream (that run is the step's result, and it builds what the layers derive from
 their weights), then it is captured, reading its ids and position from static input buffers; every graph
-allocates from one shared memory pool. A replay copies the ids and the position into those buffers and writes
-the caches in place, as the eager step does.
+allocates from one shared memory pool, which the memory plan counts (memory.graph_pool_bytes). A replay
+copies the ids and the position into those buffers and writes the caches in place, as the eager step does.
 
 Ties: which of several exactly tied index scores torch.topk keeps depends on the row's length, and the
-bucket's rows are longer than the eager step's, so --cuda-graph implies --deterministic-topk (ties broken by
-the lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits
+bucket's rows are longer than the eager step's, so graphs imply deterministic top-k (ties broken by the
+lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits
 (tests/test_cuda_graph.py, on CPU, in the exact, fast and invariant orders); a replay against eager logits,
-bit for bit, is the device check's `cudagraph` phase (inference/tools/gpu_check.py). Not yet run on a GPU.
+bit for bit, is the device check's `cudagraph` phase (inference/tools/gpu_check.py).
+
+Where a run cannot replay its decode steps from graphs (eager_reason: experts or Engram rows computed on the
+host, scoring, speculative verification), generate.py says so in one line and runs them eagerly.
 """
-from typing import Dict, Tuple
+import time
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -37,27 +41,42 @@ def bucket(pos: int, max_seq_len: int, minimum: int = MIN_BUCKET) -> int:
     return min(length, max_seq_len)
 
 
+def eager_reason(device: str, opts, args, scoring: bool = False, speculative: bool = False) -> Optional[str]:
+    """Why the decode steps of a run on `device` with RuntimeOptions `opts` and ModelArgs `args` cannot be
+    replayed from CUDA graphs, in a few words; None when they can."""
+    if not str(device).startswith("cuda"):
+        return f"CUDA graphs need a CUDA device, not {device}"
+    if opts.experts_on != "device":
+        return "--experts-on host computes the routed experts on the host, between the GPU's kernels"
+    if args.engram_layer_ids and opts.engram_on != "device":
+        return f"--engram-on {opts.engram_on} looks the Engram rows up on the host"
+    if scoring:
+        return "scoring runs its forward calls as they come"
+    if speculative:
+        return "speculative decoding verifies drafts in calls of several positions"
+    return None
+
+
 class GraphedDecode:
     """Decode steps of `model` through CUDA graphs: `graphs(ids [B, 1], pos)` -> (next ids [B], logits
-    [B, V]), as `generation.decode_step` returns them."""
+    [B, V]), as `generation.decode_step` returns them. `captured` graphs so far, in `capture_s` seconds."""
 
     def __init__(self, model):
         device = torch.device(model.ctx.device)
         if not model.ctx.opts.deterministic_topk:
             raise InputError("--cuda-graph needs --deterministic-topk: which of several tied index scores "
                              "torch.topk keeps depends on the row's length, and a graph reads a bucket's")
-        if device.type != "cuda":
-            raise InputError(f"--cuda-graph captures decode steps on a CUDA device (the model is on "
-                             f"{device})")
-        if model.ctx.opts.experts_on != "device":
-            raise InputError("--cuda-graph replays decode steps on the GPU alone: not with --experts-on host")
-        if model.ctx.opts.engram_on != "device" and model.args.engram_layer_ids:
-            raise InputError("--cuda-graph needs the Engram tables on the device (--engram-on device): a "
-                             "step looks rows up on the host otherwise")
+        why = eager_reason(device.type, model.ctx.opts, model.args)
+        if why:
+            raise InputError(f"--cuda-graph: {why}")
         self.model, self.device = model, device
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: Dict[Tuple[int, int, int], tuple] = {}
-        self.captured = 0
+        self.captured, self.capture_s = 0, 0.0
+
+    def summary(self) -> str:
+        return (f"CUDA graphs: {self.captured} captured in {self.capture_s:.1f} s "
+                f"(batch, length bucket, parity: {', '.join(map(str, sorted(self.graphs)))})")
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: int):
@@ -71,6 +90,7 @@ class GraphedDecode:
         return out[0].clone(), out[1].clone()
 
     def _capture(self, key, ids: torch.Tensor, pos: int):
+        start = time.perf_counter()
         batch, length, parity = key
         static_ids = ids.to(self.device).clone()
         static_pos = torch.full((), pos, dtype=torch.long, device=self.device)
@@ -86,4 +106,5 @@ class GraphedDecode:
             next_ids, logits, _ = self.model(static_ids, step=step)
         self.graphs[key] = (graph, static_ids, static_pos, (next_ids, logits))
         self.captured += 1
+        self.capture_s += time.perf_counter() - start
         return result

@@ -180,7 +180,7 @@ class Runner:
             self.records.close()
         lines = [f"{self.stats.summary()}; {label} {seconds:.2f} s"]
         if self.graphs is not None:
-            lines.append(f"CUDA graphs captured: {self.graphs.captured}")
+            lines.append(self.graphs.summary())
         if self.model.weight_stream is not None:
             lines.append(self.model.weight_stream.close())
         if self.spec is not None:

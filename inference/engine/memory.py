@@ -162,6 +162,7 @@ class RankPlan:
     # weight bytes a CPU decode token reads besides the routed experts, per --cpu-linears form (planned with
     # the experts on the host)
     cpu_decode_bytes: Dict[str, int] = field(default_factory=dict)
+    graphs: int = 0                     # the CUDA graphs' memory pool (graph_pool_bytes), held for good
 
     @property
     def weights_bytes(self) -> int:
@@ -198,8 +199,9 @@ class RankPlan:
 
     @property
     def resident_bytes(self) -> int:
-        """What every run needs on the GPU before the first call's activations."""
-        return self.gpu_weights_bytes + self.cache_bytes + self.reserve
+        """What every run needs on the GPU before the first call's activations (the CUDA graphs' pool
+        included: captured once, it is held)."""
+        return self.gpu_weights_bytes + self.cache_bytes + self.reserve + self.graphs
 
     @property
     def total_bytes(self) -> int:
@@ -428,11 +430,28 @@ def _largest(fits, limit: int) -> int:
     return lo
 
 
+def graph_count(args: ModelArgs) -> int:
+    """How many CUDA graphs a run at max_batch_size rows captures at most: one per length bucket (powers of
+    two from MIN_BUCKET up to max_seq_len) and parity of the position (engine/cuda_graph.py)."""
+    from .cuda_graph import bucket
+    buckets = {bucket(p, args.max_seq_len) for p in (0, *(1 << e for e in range(args.max_seq_len.bit_length())))
+               if p < args.max_seq_len}
+    return 2 * len(buckets)
+
+
+def graph_pool_bytes(args: ModelArgs, decode_workspace: int) -> int:
+    """The CUDA graphs' shared memory pool: one decode step's workspace (each capture's temporaries, freed
+    by its end, are reused by the next) and every graph's outputs, the [B, V] fp32 logits and [B] ids."""
+    outputs = args.max_batch_size * (args.vocab_size * 4 + 8)
+    return decode_workspace + graph_count(args) * int(outputs * MARGIN)
+
+
 def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions] = None,
                 ranks: Optional[List[int]] = None, prefill_len: Optional[int] = None,
                 language_model_only: bool = False, build_dspark: bool = True,
-                on_gpu: bool = True) -> MemoryPlan:
-    """Plan every rank (or only `ranks`) from meta builds of the model."""
+                on_gpu: bool = True, cuda_graphs: bool = False) -> MemoryPlan:
+    """Plan every rank (or only `ranks`) from meta builds of the model; `cuda_graphs`: decode steps replayed
+    from CUDA graphs, whose pool is planned as resident (graph_pool_bytes)."""
     opts = opts or RuntimeOptions()
     prefill_len = min(prefill_len or args.max_seq_len, args.max_seq_len)
     plan = MemoryPlan(args, world_size, opts.engram_on, prefill_len, opts.packed_kv and not opts.golden,
@@ -451,16 +470,20 @@ def plan_memory(args: ModelArgs, world_size: int, opts: Optional[RuntimeOptions]
                                    dequant_bytes=dequant_copy_bytes(model) if opts.cpu_linears == "fp32"
                                    else 0, cpu_decode_bytes=cpu_decode_read_bytes(model)
                                    if opts.experts_on == "host" else {}))
+        if cuda_graphs:
+            decode = max(v for k, v in stages.items() if k.startswith("decode"))
+            plan.ranks[-1].graphs = graph_pool_bytes(args, decode)
     return plan
 
 
 def rank_plan(args: ModelArgs, par: ParallelContext, opts: RuntimeOptions, device: str,
-              language_model_only: bool = False, gpu_mem: Optional[int] = None) -> MemoryPlan:
+              language_model_only: bool = False, gpu_mem: Optional[int] = None,
+              cuda_graphs: bool = False) -> MemoryPlan:
     """This rank's plan from one meta build of the model it will load: the loader's memory check and the
     default prefill chunk both read it (the build takes seconds at the released size)."""
     on_gpu = device.startswith("cuda") or gpu_mem is not None
     return plan_memory(args, par.world_size, opts, ranks=[par.rank], language_model_only=language_model_only,
-                       on_gpu=on_gpu)
+                       on_gpu=on_gpu, cuda_graphs=cuda_graphs)
 
 
 def capacity_of(device: str, gpu_mem: Optional[int] = None) -> Optional[int]:
@@ -539,9 +562,10 @@ def verdict_line(plan: MemoryPlan, device: str, capacity: Optional[int] = None) 
     decode = r.phase_bytes("decode")
     need = r.resident_bytes + decode
     where = ", experts on host" if plan.experts_on == "host" else ""
+    graphs = f" + {gib(r.graphs)} CUDA graphs (up to {graph_count(plan.args)})" if r.graphs else ""
     line = (f"memory plan (rank {r.rank} of {plan.world_size}, Engram on {plan.engram_on}{where}): "
             f"{gib(r.gpu_weights_bytes)} weights + {gib(r.cache_bytes)} caches + {gib(decode)} decode "
-            f"workspace + {gib(r.reserve)} reserve = {gib(need)}")
+            f"workspace{graphs} + {gib(r.reserve)} reserve = {gib(need)}")
     a = plan.args
     if capacity is None:
         if not device.startswith("cuda"):       # no reserve or GPU workspace; the CPU path caches more
