@@ -34,7 +34,7 @@ from encoding.tokenizer import TokenizerError, load_tokenizer, read_special_ids
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches,
                                          check_writable, load_model, verify_checkpoint)
-from inference.engine.cuda_graph import GraphedDecode, eager_reason
+from inference.engine.cuda_graph import GraphedDecode, choose_graphs
 from inference.engine.errors import InputError
 from inference.engine.memory import rank_plan
 from inference.engine.chat import chat
@@ -238,22 +238,6 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     return margs
 
 
-def cuda_graphs(o: argparse.Namespace, margs: ModelArgs, opts: RuntimeOptions, log: RankLog):
-    """Whether decode steps replay from CUDA graphs (the default on a GPU), and the options they run with:
-    graphs imply deterministic top-k (cuda_graph.py). A run whose default cannot use them says why in one
-    line and runs eagerly; an explicit --cuda-graph that cannot is an error."""
-    if o.cuda_graph is False:
-        return False, opts
-    why = eager_reason(o.device, opts, margs, scoring=bool(o.score), speculative=o.speculative != "none")
-    if why is None:
-        return True, replace(opts, deterministic_topk=True)
-    if o.cuda_graph:
-        raise CLIError(f"--cuda-graph: {why}")
-    if o.device.startswith("cuda"):
-        log.info(f"CUDA graphs off: {why}; decode steps run eagerly")
-    return False, opts
-
-
 def init_runtime(o: argparse.Namespace, world_size: int) -> ParallelContext:
     if o.device.startswith("cuda"):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -308,7 +292,8 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     opts = check_options(o)
     check_checkpoint_dir(o.ckpt_path, world_size, need_eos=not o.score)
     margs = model_args(o, world_size)
-    graphed, opts = cuda_graphs(o, margs, opts, log)
+    graphed, opts = choose_graphs(o.cuda_graph, o.device, opts, margs, log.info, bool(o.score),
+                                  o.speculative != "none")
 
     par = init_runtime(o, world_size)
     tokenizer = load_tokenizer(o.ckpt_path)

@@ -483,10 +483,8 @@ def test_generation_replays_decode_steps_from_cuda_graphs_by_default(tokenizers,
     top-k) and says nothing; GraphedDecode runs each new (batch, bucket, parity) step once eagerly on a side
     stream, captures it and replays it at the positions that follow (torch's stream, graph and capture
     calls stood in for: fake tensors have no driver). A mode that cannot use graphs says so in one line."""
-    import argparse
-    import generate
     from inference.engine import generation
-    from inference.engine.cuda_graph import GraphedDecode
+    from inference.engine.cuda_graph import GraphedDecode, choose_graphs
 
     class Stub:
         def __init__(self, *a, **k):
@@ -506,15 +504,13 @@ def test_generation_replays_decode_steps_from_cuda_graphs_by_default(tokenizers,
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graphs.append(Stub()) or graphs[-1])
     monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
     lines = []
-    log = type("Log", (), {"info": staticmethod(lines.append)})
-    o = argparse.Namespace(cuda_graph=None, device="cuda", score=None, speculative="none")
     with fake_cuda(monkeypatch):
         from inference.config import RuntimeOptions
         args = fixture_shaped(max_seq_len=320)
-        on, opts = generate.cuda_graphs(o, args, RuntimeOptions.from_profile("reference", kernel_backend="torch"),
-                                        log)
+        opts = RuntimeOptions.from_profile("reference", kernel_backend="torch")
+        on, opts = choose_graphs(None, "cuda", opts, args, lines.append)
         assert on and opts.deterministic_topk and not lines
-        off, _ = generate.cuda_graphs(o, args, RuntimeOptions(experts_on="host"), log)
+        off, _ = choose_graphs(None, "cuda", RuntimeOptions(experts_on="host"), args, lines.append)
         assert not off and lines == ["CUDA graphs off: --experts-on host computes the routed experts on the "
                                      "host, between the GPU's kernels; decode steps run eagerly"]
         model = build(args, tokenizers["fixture"], deterministic_topk=True)

@@ -22,6 +22,7 @@ Where a run cannot replay its decode steps from graphs (eager_reason: experts or
 host, scoring, speculative verification), generate.py says so in one line and runs them eagerly.
 """
 import time
+from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -55,6 +56,24 @@ def eager_reason(device: str, opts, args, scoring: bool = False, speculative: bo
     if speculative:
         return "speculative decoding verifies drafts in calls of several positions"
     return None
+
+
+def choose_graphs(requested: Optional[bool], device: str, opts, args, log, scoring: bool = False,
+                  speculative: bool = False):
+    """Whether a run's decode steps replay from CUDA graphs, and the RuntimeOptions they run with (graphs
+    imply deterministic top-k). `requested`: None for the default (graphs on a GPU), True for --cuda-graph,
+    False for --eager. A default run that cannot use them says why through `log` and runs eagerly; an
+    explicit --cuda-graph that cannot is an InputError."""
+    if requested is False:
+        return False, opts
+    why = eager_reason(device, opts, args, scoring, speculative)
+    if why is None:
+        return True, replace(opts, deterministic_topk=True)
+    if requested:
+        raise InputError(f"--cuda-graph: {why}")
+    if str(device).startswith("cuda"):
+        log(f"CUDA graphs off: {why}; decode steps run eagerly")
+    return False, opts
 
 
 class GraphedDecode:

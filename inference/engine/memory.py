@@ -434,8 +434,8 @@ def graph_count(args: ModelArgs) -> int:
     """How many CUDA graphs a run at max_batch_size rows captures at most: one per length bucket (powers of
     two from MIN_BUCKET up to max_seq_len) and parity of the position (engine/cuda_graph.py)."""
     from .cuda_graph import bucket
-    buckets = {bucket(p, args.max_seq_len) for p in (0, *(1 << e for e in range(args.max_seq_len.bit_length())))
-               if p < args.max_seq_len}
+    positions = [0] + [1 << e for e in range(args.max_seq_len.bit_length())]
+    buckets = {bucket(p, args.max_seq_len) for p in positions if p < args.max_seq_len}
     return 2 * len(buckets)
 
 
