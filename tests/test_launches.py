@@ -30,7 +30,7 @@ BOUNDS = {
     ("released", "torch", 1): (14968, 15315),
     ("fixture", "exact", 1): (7012, 37420),
     ("fixture", "fast", 1): (3737, 5478),
-    ("fixture", "invariant", 1): (13726, 22651),
+    ("fixture", "invariant", 1): (13732, 22700),     # (its GEMMs take a path by the values)
 }
 
 

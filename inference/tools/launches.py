@@ -303,20 +303,6 @@ def _tokenizer(shape: str):
     return load_tokenizer(d)
 
 
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random finite weights in every stored format (the CPU orders compute on values)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dtype in (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2):
-                lo, hi = (118, 126) if p.dtype == torch.float8_e8m0fnu else (0, 256)
-                p.view(torch.uint8).copy_(torch.randint(lo, hi, p.shape, dtype=torch.uint8, generator=gen))
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_((torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype))
-
-
 def route_options(route: str) -> RuntimeOptions:
     if route == "tilelang":
         return RuntimeOptions(kernel_backend="tilelang")
@@ -329,6 +315,7 @@ def count_route(shape: str, route: str, batch: int, prompt: int, tokenizer=None)
     """{'decode': {...}, 'prefill': {...}} for one shape, route and batch: each with 'launches', 'syncs',
     'kinds' {kind: n} and 'places' {place: n}."""
     from ..model import Transformer
+    from .synthetic import randomize
     args = shape_args(shape, batch, prompt + 8)
     tokenizer = tokenizer or _tokenizer(shape)
     cuda = route in CUDA_ROUTES
@@ -343,7 +330,7 @@ def count_route(shape: str, route: str, batch: int, prompt: int, tokenizer=None)
         model = Transformer(args, opts=route_options(route), device="cuda" if cuda else "cpu",
                             tokenizer=tokenizer, build_dspark=False)
         if not cuda:
-            randomize_(model)
+            randomize(model)
         ids = ids.to("cuda" if cuda else "cpu")
         stack.enter_context(attribute(model, counter))
         if not cuda:

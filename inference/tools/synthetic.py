@@ -443,6 +443,36 @@ def _write_param(w: StreamWriter, p: Param, seed: int) -> None:
             w.write_tensor(names[1], [_raw(s)], r0 * (k // 32))
 
 
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill a built model (one rank of W = 1, on any device) with synthetic weights without writing files:
+    every tensor hf_params lists, sampled on the model's device with the same statistics and quantised to the
+    same formats (not the files' values: another random stream). A weight the model holds in bf16 / fp32
+    although stored quantized (wo_a) gets its quantized value, as convert.py and the loader make it."""
+    from ..quant import dequant_fp8_weight
+    state = model.state_dict(keep_vars=True)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    args = model.args
+    for p in hf_params(args):
+        names = [t[0] for t in p.tensors()]
+        if names[0] not in state:                           # tied copies, the vision tower when not built
+            continue
+        x = torch.randn(*p.shape, generator=gen, device=device)
+        kind, a, b = p.init
+        x = x.mul_(b).add_(a) if kind == "normal" else torch.rand_like(x).mul_(b - a).add_(a)
+        target = state[names[0]]
+        if p.fmt == "plain":
+            target.copy_(x)
+            continue
+        q, sc = {"fp8": quant_fp8_blocks, "fp4": quant_fp4, "engram": quant_fp8_rows}[p.fmt](x)
+        if names[1] not in state:                           # held dequantised (wo_a, in bf16)
+            target.copy_(dequant_fp8_weight(q.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)))
+            continue
+        target.view(torch.uint8).copy_(q.view(torch.uint8))
+        state[names[1]].view(torch.uint8).copy_(sc)
+
+
 _TORCH = {"BF16": torch.bfloat16, "F32": torch.float32}
 _ITEMSIZE = {"BF16": 2, "F32": 4}
 
