@@ -172,23 +172,34 @@ class HostExperts:
               decode: bool) -> torch.Tensor:
         """-> [N, k, D], each selection's expert output (zero for other ranks' experts), on x's device."""
         n, k = idx.shape
-        active, rows, sizes = local_selections(moe, idx.cpu())         # the host reads the routing: a sync
+        stage = moe.ctx.host_stage                # pinned buffers beside a GPU: one sync for the three copies
+        if stage is not None and x.device.type != "cpu":
+            idx_h, w_h, x_h = (stage.to_host(name, t) for name, t in (("idx", idx), ("w", weights), ("x", x)))
+            stage.synchronize(x.device)
+        else:
+            idx_h, w_h, x_h = idx.cpu(), weights.cpu(), x.cpu()
+        active, rows, sizes = local_selections(moe, idx_h)             # the host reads the routing: a sync
         if x.device.type != "cpu" and prefers_copy(moe, active, len(rows)):
             def held(e: int, p: str) -> Held:         # local expert e's projection p, copied for this call
                 w, s = (None if t is None else t[e - moe.start].to(x.device) for t in moe.stacked[p])
                 return Held(w, s, moe.experts[e].w1.kind, Derived(keep=False))
             return looped_experts(moe, x, weights, idx, (active, rows, sizes), held)
-        out = torch.zeros(n, k, x.shape[-1], dtype=x.dtype)           # [N, k, D] on the host
+        if stage is not None and x.device.type != "cpu":
+            out = stage.buffer("out", (n, k, x.shape[-1]), x.dtype).zero_()   # [N, k, D] on the host
+        else:
+            out = torch.zeros(n, k, x.shape[-1], dtype=x.dtype)
         if active:
             first = next(e for e in moe.experts if e is not None)
-            ws = weights.cpu().flatten()[rows]                         # [M] routing weights
+            ws = w_h.flatten()[rows]                                   # [M] routing weights
             projections = [moe.stacked[p] for p in ("w1", "w3", "w2")]
             local = [e - moe.start for e in active]
             # x [N, D] with each row's token: each token's activations are quantised once, not k times
-            out.view(n * k, -1)[rows] = host_experts.expert_swiglu(x.cpu(), sizes, local, ws, *projections,
+            out.view(n * k, -1)[rows] = host_experts.expert_swiglu(x_h, sizes, local, ws, *projections,
                                                                    first.w1.kind, first.swiglu,
                                                                    tokens=rows // k)
-        return out.to(x.device)
+        # from pinned memory the copy back runs on the stream, not on the host (the next layer's copies to
+        # the host wait for it before its output buffer is written again)
+        return out.to(x.device, non_blocking=stage is not None)
 
 
 # The estimate behind HostExperts' choice for a GPU call: the rate per host thread of the kernel variant that

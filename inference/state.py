@@ -8,6 +8,7 @@ import torch
 
 from .config import ModelArgs, RuntimeOptions
 from .kernels import Numerics, numerics_for
+from .kernels.host_experts import PinnedStage
 from .parallel import ParallelContext
 from .rope import precompute_freqs_cis
 
@@ -222,6 +223,8 @@ class ModelContext:
     window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
     shared: SharedAttentionState = field(default_factory=SharedAttentionState)
+    # page-locked buffers for the round trips to the host-expert kernel (--experts-on host beside a GPU)
+    host_stage: Optional[PinnedStage] = None
 
     def __post_init__(self):
         a, nx = self.args, self.numerics
@@ -232,6 +235,9 @@ class ModelContext:
         if self.window_freqs is None:
             made(self, "window_freqs", precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
                                                             nx=nx, device=self.device))
+        if self.host_stage is None and self.opts.experts_on == "host" and \
+                torch.device(self.device).type not in ("cpu", "meta"):
+            made(self, "host_stage", PinnedStage())
         if self.compress_freqs is None:
             made(self, "compress_freqs", precompute_freqs_cis(
                 a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,

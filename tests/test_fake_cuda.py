@@ -448,13 +448,16 @@ def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatc
         gpu_check.phase_cudagraph(ctx)
 
 
-HOST_EXPERTS = {("copy to the host", "inference/moe.py:apply")}
+# the routing, its weights and the tokens copied into pinned buffers, then one wait for the three copies
+HOST_EXPERTS = {("copy to the host", "inference/kernels/host_experts.py:to_host"),
+                ("cuda.synchronize", "inference/kernels/host_experts.py:synchronize")}
 
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
     """--experts-on host on a GPU: the routed experts' tensors on the CPU, everything else on `cuda`; no
-    device mismatch, and a decode step's only syncs are the routing's trip to the host (one per MoE layer).
+    device mismatch, and a decode step's only syncs are the routing's trip to the host (one wait per MoE
+    layer for its three copies into pinned buffers, ModelContext.host_stage).
     The host kernel's torch path runs on the fake CPU tensors (the native one reads real memory); the
     routing's counts, read on the host, are stood in for. Both routes: the kernel, and the active experts
     copied over."""

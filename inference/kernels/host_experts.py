@@ -44,6 +44,7 @@ the details.
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -391,6 +392,34 @@ def expert_swiglu(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int]
     gate, up = expert_linears(x, counts, experts, [w1, w3], kind, variant, tokens)  # [M, I] bf16 each
     h = act(gate, up, route_weights.view(-1, 1)).to(x.dtype)                        # [M, I] bf16
     return expert_linear(h, counts, experts, w2[0], w2[1], kind, variant)           # [M, D] bf16
+
+
+class PinnedStage:
+    """Page-locked host buffers for a GPU's round trips to the host-expert kernel, one per name, reused by
+    every MoE layer and call (grown when a call needs more): the copies run at the link's speed, several
+    copies to the host wait for one synchronisation, and the outputs' trip back does not block the host."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def buffer(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host tensor of `shape` and `dtype` (the buffer `name`, grown when too small)."""
+        numel = max(1, math.prod(shape))
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            # (pinned where a GPU is there to pin for; plain memory on fake CUDA tensors in the tests)
+            buf = self.buffers[name] = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+        return buf[:math.prod(shape)].view(shape)
+
+    def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A device tensor's copy into the buffer `name`, issued without waiting (synchronize() before reading
+        any of them)."""
+        return self.buffer(name, t.shape, t.dtype).copy_(t, non_blocking=True)
+
+    @staticmethod
+    def synchronize(device: torch.device) -> None:
+        """Wait for the copies issued on `device` (one host sync for all of them)."""
+        torch.cuda.synchronize(device)
 
 
 def kernel_variant(variant: Optional[str] = None) -> str:
