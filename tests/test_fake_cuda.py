@@ -427,12 +427,13 @@ def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers
 
 
 def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatch, tmp_path):
-    """What the device check runs in its own process on the GPU, on fake CUDA: the bench phase's timed
-    prefill and decode steps (its token ids must reach the model's device: the Engram lookup mixes them with
-    CUDA tables) and the cudagraph phase's model and steps (the captured step run eagerly, as in the
-    rehearsal: no graph on fake tensors; the checkpoint's values are not loaded: fake tensors hold none)."""
+    """What the device check runs in its own process on the GPU, on fake CUDA: the speed phase's timed
+    decode steps and its launch count of one (its token ids must reach the model's device: the Engram lookup
+    mixes them with CUDA tables) and the cudagraph phase's model and steps (the captured step run eagerly,
+    as in the rehearsal: no graph on fake tensors; the checkpoint's values are not loaded: fake tensors hold
+    none)."""
     from inference.engine import checkpoint
-    from inference.tools import gpu_check
+    from inference.tools import gpu_check, gpu_speed
 
     class OnFakeCuda(gpu_check.Ctx):
         device = property(lambda self: "cuda")
@@ -442,8 +443,9 @@ def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatc
     monkeypatch.setattr(gpu_check, "REHEARSAL_CUDAGRAPH", (31, 2))   # across the 32 bucket, both parities
 
     with fake_cuda(monkeypatch):
-        model = build(fixture_shaped(), tokenizers["fixture"])
-        gpu_check._bench_model(model, "torch", gpu_check.Clock(600), steps=2, shapes=((1, 16), (2, 8)))
+        model = build(fixture_shaped(), tokenizers["fixture"], deterministic_topk=True)
+        eager, replayed, launches = gpu_speed.decode_speed(model, 2, 16, 2, False, torch.Generator(), True)
+        assert eager > 0 and replayed > 0 and launches > 100
         ctx = OnFakeCuda({}, FIXTURE, str(tmp_path), gpu_check.Clock(600), rehearse=True)
         gpu_check.phase_cudagraph(ctx)
 

@@ -68,7 +68,9 @@ def test_rehearsal_walks_every_phase_on_cpu():
     assert len(rows) == len(cases) and set(rows) == {"ok     "}, section
     assert "fixture, torch vs reference logits: ok" in out
     assert "fixture, tilelang vs reference logits: ok" in out
-    assert re.search(r"bench torch +batch  2: prefill 16 tokens", out)
+    assert re.search(r"speed 2 layers torch +batch  2: decode +[\d.]+ ms eager, +[\d.]+ ms as the captured "
+                     r"step run eagerly, \d+ launches a step", out)
+    assert re.search(r"speed host-expert kernel \(\w+\)  2 threads: decode +[\d.]+ GB/s", out)
     assert "tp, W = 2 vs W = 1 (torch kernels, gloo): ok" in out
     assert "experts on the host vs reference logits: ok" in out
     assert "experts on the host vs on the device: ok" in out
@@ -97,7 +99,7 @@ def test_phase_budgets_fit_eight_minutes_and_match_the_docstring(capsys):
     budgets = {p.name: p.budget for p in gpu_check.PHASES}
     assert not set(budgets) & set(gpu_check.RESERVED)
     total = sum(budgets.values()) + sum(gpu_check.RESERVED.values()) + gpu_check.START_UP_SECONDS
-    assert total <= gpu_check.TOTAL_SECONDS == 480
+    assert total <= gpu_check.TOTAL_SECONDS == 540
     table = gpu_check.__doc__.split("  phase       budget")[1].split("\n--budget")[0]
     rows = dict(re.findall(r"^  \(?([\w-]+)\)?\s+(\d+)(?:  |$)", table, re.M))
     assert {k: int(v) for k, v in rows.items()} == {**budgets, **gpu_check.RESERVED,

@@ -1,6 +1,6 @@
 """The prepared device check, for a machine with a CUDA GPU of compute capability >= 9.0 (an H200 in mind).
 
-    python -m inference.tools.gpu_check [--fixture DIR] [--budget SECONDS] [--phases kernels,fixture,bench,tp]
+    python -m inference.tools.gpu_check [--fixture DIR] [--budget SECONDS] [--phases kernels,speed,cudagraph]
     python -m inference.tools.gpu_check --rehearse [--phases ...]     # every phase's setup on CPU, no GPU
     bash run.sh gpu-check [--wheels DIR | DIR.tar.xz | DIR.tar.xz.part0] [ARGS]  # from the project's runner
 
@@ -14,10 +14,11 @@ the rest of its work with a note:
            generate.py with --kernel-backend torch and tilelang, each compared with the fixture's reference
            logits by the parity tool (`python -m inference.tools.parity compare`, run in this process, with
            its default tolerances).
-  bench    prefill and decode of a truncated full-width model: the released config.json widths with 2 layers
-           (one ratio-2 and one ratio-1 layer) and 16 routed experts, a synthetic checkpoint
-           (inference.tools.synthetic in this process, then convert.py), at batch 1 and 32: ms/step and
-           achieved HBM GB/s of the weights one step reads, against the H200's 4.8 TB/s.
+  speed    what a decode step costs (inference/tools/gpu_speed.py): the released widths with 2 and 4 layers
+           and synthetic weights made on the GPU, per route decode ms/step at batch 1, 4 and 32, eager and
+           replayed from CUDA graphs, beside its launch count and its weights' share of the HBM bandwidth;
+           prefill tokens/s at 1K and 8K; --experts-on host's decode and the host link's GB/s; the
+           host-expert kernel at 1 to 16 threads. Printed, not asserted.
   tp       W = 2 with nccl when two GPUs are visible: a synthetic fixture-shaped model at W = 2 against W = 1
            (tilelang backend), compared by the parity tool.
   cudagraph  --cuda-graph: greedy decode steps of the fixture's model replayed from CUDA graphs against the
@@ -29,7 +30,8 @@ the rest of its work with a note:
            per token both ways. Not yet run on a GPU.
 Without CUDA it prints one line and exits 2. Exit status 1 when any check that ran failed, else 0.
 
-Time budget on one H200 (seconds). The whole check, compilation included, stays within 8 minutes (480 s):
+Time budget on one H200 (seconds). The whole check, compilation included, stays within 9 minutes (540 s); a
+session with 15 minutes of device time runs a subset first (`--phases kernels,speed,cudagraph`: 350 s):
 
   phase       budget  where the time goes
   kernels       110   compiling the 29 kernels at the released shapes (17.8 s on the H200's host, 70 s on 2
@@ -37,8 +39,10 @@ Time budget on one H200 (seconds). The whole check, compilation included, stays 
                       failing GEMM rebuilt plain (every kernel plain: 41 s)
   fixture       110   compiling the fixture's kernels, then generate.py twice (a 301-token prefill and 20
                       steps each, a process start with torch and tilelang imports) and three comparisons
-  bench         130   a 3.8 GB synthetic checkpoint written and converted, its GEMM shapes compiled, then per
-                      backend the model built, a prefill and 16 decode steps at batch 1 and at batch 32
+  speed         190   per layer count and route: the model built and randomised on the GPU (38 GB at 4
+                      layers), the expert GEMMs compiled, prefills of 1K and 8K, then per batch a prefill
+                      of 1K rows and 12 steps eager and 12 replayed; the experts on the host; 5 thread
+                      counts of the host kernel
   tp             50   two GPUs only (skipped on one): a fixture-shaped checkpoint converted for W = 1 and 2,
                       each scored, one comparison
   cudagraph      40   the fixture's model built and loaded, then per batch (1, 4) a prefill and 60 decode
@@ -46,8 +50,8 @@ Time budget on one H200 (seconds). The whole check, compilation included, stays 
   hostexperts    30   generate.py twice on the fixture (torch kernels, experts on the device, then on the
                       host; the host kernel built once, under a second), two comparisons
   start-up       10   Python, torch and CUDA initialisation, the summary
-  total         480
---budget defaults to the sum of the phases' budgets (470 s); it caps the whole run, and
+  total         540
+--budget defaults to the sum of the phases' budgets (530 s); it caps the whole run, and
 each phase also stops at its own budget. tests/test_gpu_check.py holds this table to PHASES.
 
 Rehearsal (--rehearse): every phase's setup walked on CPU at reduced shapes, so that a typo cannot cost a
@@ -55,8 +59,9 @@ device run: the kernel list at the released shapes and the kernel cases at the f
 passed through the TileLang wrapper's own argument checks and the kernel replaced by its torch counterpart;
 the fixture scored on CPU for the first 72 tokens of its prompt (its 64-token window and 8 more) and 3 steps
 (torch kernels; the fast order stands in for tilelang), against the reference logits at those positions; the
-bench model at the fixture's widths built and timed for 2 steps; W = 2 with gloo for a 16-token prompt and one
-step, compared with W = 1 within bounds for a setup check (REHEARSAL_TP_TOLERANCES). Each phase prints what
+speed phase at the fixture's widths (2 layers, batches 1 and 2, 2 steps, the captured step run eagerly); W = 2
+with gloo for a 16-token prompt and one step, compared with W = 1 within bounds for a setup check
+(REHEARSAL_TP_TOLERANCES). Each phase prints what
 the real check does and a PASS / FAIL line; exit status 1 when any phase's setup raised or a comparison
 failed. About 25 s on 2 cores.
 
@@ -103,8 +108,7 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "reference-tiny")
-HBM_PEAK_GBS = 4800.0           # H200
-TOTAL_SECONDS = 480             # the whole check on one H200, compilation included
+TOTAL_SECONDS = 540             # the whole check on one H200, compilation included
 START_UP_SECONDS = 10           # Python, torch and CUDA initialisation, the summary
 RESERVED = {}                   # budgets of phases still to come; a new phase moves its line into PHASES
 # (relative to |reference|, floor as a fraction of max |reference|): one bf16 ulp is 2^-8..2^-7 relative;
@@ -688,120 +692,6 @@ def phase_fixture(ctx: Ctx) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Phase: prefill / decode benchmark on a truncated full-width model
-
-def bench_config(released: dict, experts: int = 16) -> dict:
-    """The released widths with 2 layers (ratio 2 then ratio 1, each its own KV and index source), no MTP /
-    DSpark / vision, a small Engram vocabulary and `experts` routed experts."""
-    from ..config import ModelArgs
-    from .synthetic import engram_table_sizes
-    cfg = dict(released, n_layers=2, n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=[1],
-               compress_ratios=[2, 1], kv_source_layers=[0, 1], index_source_layers=[0, 1],
-               candidate_source_layer=1, engram_layer_ids=[1], engram_vocab_size=1000,
-               n_routed_experts=experts, vision_n_layers=0)
-    cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
-    return cfg
-
-
-def step_bytes(model, batch: int) -> int:
-    """Weight bytes one decode step reads: all but the embeddings and Engram tables (only looked-up rows are
-    read), with the routed experts counted by the expected share touched at this batch (uniform routing)."""
-    a = model.args
-    dense = experts = 0
-    for n, p in model.named_parameters():
-        if n.startswith("embed.") or ".engram.embed." in n:
-            continue
-        if ".experts." in n:
-            experts += p.numel() * p.element_size()
-        else:
-            dense += p.numel() * p.element_size()
-    touched = 1 - (1 - a.n_activated_experts / a.n_routed_experts) ** batch
-    return int(dense + experts * touched)
-
-
-def _timed(fn) -> float:
-    import torch
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
-
-
-def phase_bench(ctx: Ctx, backends=("tilelang", "torch")) -> bool:
-    """The released widths on CUDA; in the rehearsal the fixture's widths (and tokenizer), 2 steps, on CPU."""
-    import torch
-    from ..config import ModelArgs
-    from .bench import build
-    clock, tmp = ctx.clock, ctx.tmp
-    if ctx.rehearse:
-        base, extra = ctx.fixture_config(), ["--tokenizer", ctx.fixture]
-        what = "checkpoint at the fixture's widths"
-        steps, shapes = 2, ((1, 16), (2, 8))
-        note("bench: the torch kernels, the fast order standing in for tilelang; the GB/s say nothing here")
-    else:
-        base, extra, what = ctx.released, [], "full-width checkpoint"
-        steps, shapes = 16, ((1, 1024), (32, 128))
-    cfg = bench_config(base)
-    name, cfg_path = "gpucheck", os.path.join(tmp, "bench-config.json")
-    with open(cfg_path, "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    hf, ckpt = os.path.join(tmp, f"{name}-hf"), os.path.join(tmp, f"{name}-mp1")
-    t0 = time.perf_counter()
-    what_cmd = "synthetic checkpoint"
-    ok, out = _synthetic(["--config", cfg_path, "--out", hf, "--shards", "8", *extra], clock, what_cmd)
-    if ok:
-        what_cmd = "convert.py"
-        ok, out = _run([sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf, "--save-path",
-                        ckpt, "--model-parallel", "1"], clock, what_cmd)
-    if not ok:
-        note(f"bench: {what_cmd} failed or ran out of time\n{_tail(out)}")
-        return False
-    note(f"bench: 2-layer {what} written and converted in {time.perf_counter() - t0:.1f} s")
-    _warm(ckpt, cfg, "bench", compile_them=not ctx.rehearse, settings=ctx.kernel_build)
-    args = ModelArgs.from_dict(cfg, max_seq_len=max(p for _, p in shapes) + 64,
-                               max_batch_size=max(b for b, _ in shapes), temperature=0.0)
-    for backend in backends:
-        if clock.left() < 40:
-            note(f"bench: out of time, skipped the {backend} backend")
-            break
-        model = build(name, args, tmp, ctx.device, ctx.runtime(backend))
-        _bench_model(model, backend, clock, steps, shapes)
-        del model
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    return True
-
-
-def _bench_model(model, backend: str, clock: Clock, steps: int = 16, shapes=((1, 1024), (32, 128))):
-    """Per (batch, prompt length) of `shapes`: a timed prefill, then `steps` timed decode steps."""
-    import torch
-    gen = torch.Generator().manual_seed(0)
-    for batch, prompt in shapes:
-        if clock.left() < 15:
-            note(f"bench: out of time, skipped {backend} batch {batch}")
-            return
-        ids = torch.randint(3, model.args.vocab_size, (batch, prompt + steps + 1), generator=gen)
-        ids = ids.to(model.ctx.device)                                # every caller moves them: engram.py
-        model.reset()
-        model(ids[:, :8], 0)                                          # warm-up: allocator and launches
-        model.reset()
-        t_pre = _timed(lambda: model(ids[:, :prompt], 0))
-        times = sorted(_timed(lambda i=i: model(ids[:, prompt + i:prompt + i + 1], prompt + i))
-                       for i in range(steps))
-        kept = steps - steps // 4                                     # drop the slowest quarter (noise)
-        ms = 1e3 * sum(times[:kept]) / kept
-        read = step_bytes(model, batch)
-        gbs = read / ms / 1e6
-        note(f"bench {backend:8s} batch {batch:2d}: prefill {batch * prompt} tokens {1e3 * t_pre:8.1f} ms "
-             f"({batch * prompt / t_pre:8.0f} tok/s) | decode {ms:7.2f} ms/step, {read / 1e9:.2f} GB of "
-             f"weights per step, {gbs:7.1f} GB/s ({100 * gbs / HBM_PEAK_GBS:5.1f} % of "
-             f"{HBM_PEAK_GBS / 1e3:.1f} TB/s)")
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Phase: two ranks with nccl (gloo in the rehearsal)
 
 def phase_tp(ctx: Ctx) -> bool:
@@ -933,6 +823,8 @@ def phase_host_experts(ctx: Ctx) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # The phases
 
+from .gpu_speed import phase_speed  # noqa: E402  (a module of its own: the speed phase, gpu_speed.py)
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
     """One row of the check. run(ctx) on CUDA and rehearse(ctx) on CPU (ctx.rehearse set) return whether
@@ -952,9 +844,9 @@ PHASES = (
     Phase("fixture", 110, phase_fixture, phase_fixture,
           "the reference-tiny fixture scored on CUDA with --kernel-backend torch and tilelang, each against "
           "the reference logits"),
-    Phase("bench", 130, phase_bench, phase_bench,
-          "prefill and decode ms/step and HBM GB/s of a 2-layer full-width model, batch 1 and 32, both "
-          "backends"),
+    Phase("speed", 190, phase_speed, phase_speed,
+          "decode ms/step eager and from CUDA graphs with launches a step and HBM share, prefill tok/s, at "
+          "the released widths (2 and 4 layers); the experts in host memory; the host link; the host kernel"),
     Phase("tp", 50, phase_tp, phase_tp,
           "W = 2 with nccl against W = 1 on a fixture-shaped model (two GPUs; skipped on one)"),
     Phase("cudagraph", 40, phase_cudagraph, phase_cudagraph,

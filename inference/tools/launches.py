@@ -70,9 +70,11 @@ class DeviceOps(TorchDispatchMode):
     'cpu'), and records host syncs on CUDA with a stand-in result. `phase` names what runs; `kinds` is a
     stack of module kinds that the hooks of `attribute` push and pop."""
 
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = "cuda", stand_in: bool = False):
+        """`stand_in`: the tensors are fake (fake_cuda): a read of a value gets a stand-in; on real tensors
+        (a device run of the check) every op runs as it is and is only counted."""
         super().__init__()
-        self.device = device
+        self.device, self.stand_in = device, stand_in
         self.phase = "setup"
         self.kinds: List[str] = []
         self.launches: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -151,7 +153,7 @@ class DeviceOps(TorchDispatchMode):
             return func(*args, **kwargs)
         if func.namespace == "aten" and not func.is_view:
             self.count(launch=name not in ALLOCATIONS)
-        if not cuda:
+        if not cuda or not self.stand_in:
             return func(*args, **kwargs)
         if func is aten.nonzero.default:
             self.record_sync("nonzero")
@@ -279,6 +281,27 @@ def stubbed_tilelang(counter: DeviceOps):
         kernels._capability, kernels._tilelang_imports, torch.cuda.current_device, ops._compiled = saved
 
 
+@contextlib.contextmanager
+def counting_tilelang(counter: DeviceOps):
+    """On a real GPU: each compiled TileLang kernel still runs, and each call counts one launch."""
+    from ..kernels import tilelang_ops as ops
+    compiled = ops._compiled
+
+    def counted(settings, name, *args):
+        kernel = compiled(settings, name, *args)
+
+        def launch(*tensors):
+            counter.count(f"TileLang kernel {name}")
+            return kernel(*tensors)
+        return launch
+
+    try:
+        ops._compiled = counted
+        yield
+    finally:
+        ops._compiled = compiled
+
+
 # ---- the models ----
 
 def shape_args(shape: str, batch: int, max_seq_len: int) -> ModelArgs:
@@ -319,7 +342,7 @@ def count_route(shape: str, route: str, batch: int, prompt: int, tokenizer=None)
     args = shape_args(shape, batch, prompt + 8)
     tokenizer = tokenizer or _tokenizer(shape)
     cuda = route in CUDA_ROUTES
-    counter = DeviceOps("cuda" if cuda else "cpu")
+    counter = DeviceOps("cuda" if cuda else "cpu", stand_in=cuda)
     ids = torch.randint(4, min(args.vocab_size, 1000) - 1, (batch, prompt + 1),
                         generator=torch.Generator().manual_seed(1))
     with contextlib.ExitStack() as stack:
