@@ -130,10 +130,10 @@ class Attention(nn.Module):
         b, s, _ = kv.shape
         if call.kind == Kind.PREFILL:                # the call's own rows; the ring keeps the last window
             keep = min(s, self.window)
-            self.kv_cache[:b, call.positions[s - keep:] % self.window] = kv[:, s - keep:]
+            self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
             return kv
         if call.kind == Kind.DECODE:                 # the ring, this position written first
-            self.kv_cache[:b, call.positions % self.window] = kv
+            self.kv_cache[:b, call.ring_slots] = kv
             return self.kv_cache[:b]
         # CHUNK or VERIFY (docs/architecture.md §11.6): every row sees, in a decode step's layout, the ring as
         # it was before the call, then the call's own rows. The ring keeps the call's last window positions;
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         rows = torch.cat([self.kv_cache[:b], kv], dim=1)                      # [B, W + S, hd]
         self.journal = (call.start, s, rows[:, :self.window].clone()) if call.kind == Kind.VERIFY else None
         keep = min(s, self.window)
-        self.kv_cache[:b, call.positions[s - keep:] % self.window] = kv[:, s - keep:]
+        self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
         return rows
 
     def compressed_path(self, x, qr, call: ForwardCall) -> torch.Tensor:

@@ -117,6 +117,7 @@ class ForwardCall:
                functions on a few elements) run one position at a time, as a decode step runs them, so that a
                verification equals decoding exactly (VERIFY, in an order whose rows depend on each other).
     exchange   what the call's source layers hand to later layers (a fresh Exchange).
+    ring_slots [S] the window ring's slot of each position (position mod window).
     rope_rows  a RoPE table's rows at the call's positions, looked up once per table (rope())."""
     kind: Kind
     start: Optional[int]
@@ -128,6 +129,7 @@ class ForwardCall:
     publish: bool
     one_by_one: bool
     exchange: Exchange
+    ring_slots: Optional[torch.Tensor] = None
     rope_rows: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def rope(self, table: torch.Tensor) -> torch.Tensor:
@@ -158,7 +160,7 @@ class ForwardCall:
             rows = torch.arange(first, end, device=device)
             ratios[r] = RatioPlan(end, (positions + 1) // r, rows, rows * r)
         return ForwardCall(kind, start, s, positions, start % 2, window, ratios, prefill or always_publish,
-                           kind == Kind.VERIFY and not rows_independent, Exchange(index_k))
+                           kind == Kind.VERIFY and not rows_independent, Exchange(index_k), positions % w)
 
     @staticmethod
     def graph_step(step: DecodeStep, args: ModelArgs, index_k: Optional[torch.Tensor] = None,
@@ -173,7 +175,7 @@ class ForwardCall:
             ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r)
         window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(0)
         return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, always_publish, False,
-                           Exchange(index_k))
+                           Exchange(index_k), pos % args.window_size)
 
     @staticmethod
     def draft(start: int, s: int, device) -> "ForwardCall":
