@@ -4,9 +4,10 @@ built on `cuda` carries its shape, dtype and device and no values, so what a GPU
 and its rollback, a speculative step, the Engram tables on the host and on disk, sampling, the scoring loop;
 on the fixture's shapes and on the released widths (two layers). An op that mixes a cuda and a cpu tensor
 raises FakeTensorDeviceMismatchError. Every read of a value on the host (item, tolist, bool, int, a nonzero,
-a bincount, a boolean-mask index, a copy to the host, cuda.synchronize) is recorded with its call site by
-SyncRecorder, which hands back a stand-in (zeros, empty selections) so that the run goes on; each phase's set
-is compared with the one kept here, so a new sync fails the test. A decode step has none. The TileLang
+a bincount, a boolean-mask index, a copy to the host, cuda.synchronize) is recorded with its call site by the
+launch counter's recorder (inference/tools/launches.py), which hands back a stand-in (a bincount's selections
+spread over the experts, empty masks) so that the run goes on; each phase's set is compared with the one kept
+here, so a new sync fails the test. A decode step has none. The TileLang
 wrappers' argument checks run on fake CUDA tensors with their kernels stubbed.
 
 A CUDA build of torch is needed (PyPI's Linux wheels; no GPU): the CPU-only build cannot index a tensor of
@@ -15,12 +16,10 @@ import collections
 import contextlib
 import json
 import os
-import traceback
 from contextlib import contextmanager
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FIXTURE, ROOT, fixture_file
 
@@ -29,85 +28,16 @@ pytestmark = pytest.mark.skipif(not torch.backends.cuda.is_built(),
 aten = torch.ops.aten
 RELEASED = os.path.join(ROOT, "config.json")
 FAST = "reference"            # the default order on CUDA is the fast one
-READS = {"item": 0, "tolist": None, "__bool__": False, "__int__": 0, "__index__": 0, "__float__": 0.0}
-
-
-class SyncRecorder(TorchDispatchMode):
-    """Records, per phase, every host sync as (what, file:function of the innermost project frame), and hands
-    back a stand-in so that the run goes on. Also counts the ops that compute."""
-
-    def __init__(self):
-        super().__init__()
-        self.phase, self.syncs, self.ops = "setup", collections.defaultdict(set), 0
-
-    def record(self, what: str) -> None:
-        """Under the innermost frame of the project's own code (a read made by this test is not recorded)."""
-        for frame in reversed(traceback.extract_stack()):
-            if frame.filename == __file__ and frame.name in ("record", "__torch_dispatch__", "read",
-                                                              "<lambda>"):
-                continue                                  # the recorder itself
-            if frame.filename.startswith(ROOT + os.sep):
-                path = os.path.relpath(frame.filename, ROOT)
-                if not path.startswith("tests"):
-                    self.syncs[self.phase].add((what, f"{path}:{frame.name}"))
-                return
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops += func.namespace == "aten" and not func.is_view       # prim.device etc. compute nothing
-        on_cuda = bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
-        if func.name().startswith(("aten::to", "aten::_to_copy")) and on_cuda:
-            target = kwargs.get("device") or next((a for a in args[1:] if isinstance(a, torch.device)), None)
-            if target is not None and torch.device(target).type == "cpu":
-                self.record("copy to the host")
-            return func(*args, **kwargs)
-        if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].is_cuda:
-            self.record("copy to the host")
-        if not on_cuda:                                  # what CPU tensors do costs the device nothing
-            return func(*args, **kwargs)
-        if func is aten.nonzero.default:
-            self.record("nonzero")
-            return torch.zeros(0, args[0].dim(), dtype=torch.long, device=args[0].device)
-        if func is aten.bincount.default:
-            self.record("bincount")
-            n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
-            return torch.zeros(n, dtype=torch.long, device=args[0].device)
-        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-                i is not None and i.dtype == torch.bool for i in args[1]):
-            self.record("boolean-mask index")       # selects a data-dependent count: none, here
-            if func is not aten.index.Tensor:
-                return args[0] if func is aten.index_put_.default else args[0].clone()
-            empty = torch.zeros(0, dtype=torch.long, device=args[0].device)
-            idx = [j for i in args[1] for j in ([empty] * i.dim() if i is not None and i.dtype == torch.bool
-                                                 else [i])]
-            return func(args[0], idx)
-        return func(*args, **kwargs)
 
 
 @contextmanager
 def fake_cuda(monkeypatch):
-    """FakeTensorMode with the recorder above it; reads of values on the host patched to record and return a
-    stand-in (under inference mode they reach the fake mode before any user mode)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    rec = SyncRecorder()
-
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def reader(name, value):
-        def read(self, *args, **kwargs):
-            if not self.is_cuda and not isinstance(self, FakeTensor):
-                return originals[name](self, *args, **kwargs)
-            if self.is_cuda:
-                rec.record(f"value read on the host ({name.strip('_')})")
-            if name == "tolist":
-                return [0] * self.numel() if self.dim() == 1 else 0
-            return value
-        return read
-
-    for name, value in READS.items():
-        monkeypatch.setattr(torch.Tensor, name, reader(name, value))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: rec.record("cuda.synchronize"))
-    with FakeTensorMode(allow_non_fake_inputs=True), rec:
+    """The launch counter's recorder (inference/tools/launches.py DeviceOps) inside its fake CUDA: every
+    host sync recorded per phase (rec.phase) with its call site (rec.syncs), each op counted (rec.ops);
+    reads of values on the host get stand-ins so that the run goes on."""
+    from inference.tools.launches import DeviceOps, fake_cuda as fake
+    rec = DeviceOps("cuda", stand_in=True)
+    with fake(rec), rec:
         yield rec
 
 
@@ -212,7 +142,7 @@ def run_phases(rec, model, prompt=24, batch=2):
 
 
 LOOPED = {("bincount", "inference/moe.py:active_counts"),
-          ("value read on the host (item)", "inference/moe.py:active_counts")}
+          ("value read on the host (tolist)", "inference/moe.py:active_counts")}
 EXPECTED_FAST = {
     # decode steps (greedy and sampled), the extend and its rollback: none
     # a prefill's routed experts loop over the active experts: their counts are read once per MoE layer
@@ -222,10 +152,11 @@ EXPECTED_FAST = {
     # completions; its prefill loops as above; its draft and verification calls add none
     "speculative (prefill, then one step)": LOOPED | {
         ("cuda.synchronize", "inference/engine/speculative.py:_sync"),
-        ("value read on the host (bool)", "inference/engine/speculative.py:<listcomp>"),
+        ("value read on the host (bool)",
+         "inference/engine/speculative.py:speculative_generate_batch.<locals>.<listcomp>"),
         ("value read on the host (bool)", "inference/engine/speculative.py:speculative_generate_batch"),
         ("value read on the host (int)", "inference/engine/speculative.py:greedy_accept"),
-        ("value read on the host (item)", "inference/engine/batch.py:read_completions")},
+        ("value read on the host (tolist)", "inference/engine/batch.py:read_completions")},
     # the scoring loop copies each forward's logits to the host and times each call
     "scoring loop": LOOPED | {("copy to the host", "inference/engine/scoring.py:score"),
                               ("cuda.synchronize", "inference/engine/generation.py:_sync")},
@@ -273,8 +204,8 @@ def test_engram_tables_off_the_device(where, tokenizers, monkeypatch):
         model(ids[:, :24], 0)
         rec.phase = "decode"
         model(ids[:, 24:25], 24)
-    assert rec.syncs["decode"] == {("boolean-mask index", "inference/engram.py:forward"),
-                                   ("copy to the host", "inference/engram.py:forward")}
+    looked_up = "inference/engram.py:ParallelEngramEmbedding.forward"
+    assert rec.syncs["decode"] == {("boolean-mask index", looked_up), ("copy to the host", looked_up)}
 
 
 def test_a_decode_step_runs_the_same_ops_at_every_batch_size(tokenizers, monkeypatch):
@@ -287,9 +218,9 @@ def test_a_decode_step_runs_the_same_ops_at_every_batch_size(tokenizers, monkeyp
         for batch in (1, 2, 3):
             ids = torch.randint(4, 1000, (batch, 30), device="cuda")
             model(ids[:, :24], 0)
-            rec.ops = 0
+            rec.phase = f"decode at batch {batch}"
             model(ids[:, 24:25], 24)
-            counts.append(rec.ops)
+            counts.append(rec.ops[rec.phase])
     print("fast decode step ops on CUDA at batch 1, 2, 3:", counts)
     assert counts[0] == counts[1] and counts[2] > 0
 
@@ -371,9 +302,9 @@ def test_the_tilelang_route_passes_its_wrappers_checks(shape, world, tokenizers,
     assert not rec.syncs["decode"] and not rec.syncs["extend"]      # fixed-shape experts, as the fast order
     heads = {args[0] for _, name, args, _, _ in calls if name == "index_scores"}
     assert heads == {ops.index_heads(model.args.index_n_heads // world)}, heads
-    # every kernel was called but the routed experts' GEMM: a prefill's expert loop finds none active under
-    # the stand-in bincount, and a decode step runs the fast order's stacked experts
-    assert {name for _, name, _, _, _ in calls} == set(ops.FACTORIES) - {"fp4_gemm"}
+    # every kernel was called: a prefill's expert loop runs the GEMMs (the stand-in bincount spreads its
+    # selections over the experts), a decode step the expert GEMM kernel
+    assert {name for _, name, _, _, _ in calls} == set(ops.FACTORIES)
 
 
 def test_launches_stay_within_the_grid_and_int32_limits(monkeypatch):
@@ -418,11 +349,11 @@ def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers
         model(ids[:, :24], 0)
         rec.syncs.clear()
         for p in (40, 42, 41, 43):
-            rec.phase, rec.ops = "graphed step", 0
+            rec.phase = f"graphed step at {p}"
             step = DecodeStep(torch.tensor(p, device="cuda"), p % 2, bucket(p, 96, minimum=32))
             model(ids[:, 24:25], step=step)
-            counts[p] = rec.ops
-    assert not rec.syncs["graphed step"]
+            counts[p] = rec.ops[rec.phase]
+    assert not any(rec.syncs[f"graphed step at {p}"] for p in counts)
     assert counts[40] == counts[42] and counts[41] == counts[43], counts
 
 
@@ -451,8 +382,8 @@ def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatc
 
 
 # the routing, its weights and the tokens copied into pinned buffers, then one wait for the three copies
-HOST_EXPERTS = {("copy to the host", "inference/kernels/host_experts.py:to_host"),
-                ("cuda.synchronize", "inference/kernels/host_experts.py:synchronize")}
+HOST_EXPERTS = {("copy to the host", "inference/kernels/host_experts.py:PinnedStage.to_host"),
+                ("cuda.synchronize", "inference/kernels/host_experts.py:PinnedStage.synchronize")}
 
 
 @pytest.mark.parametrize("copy", [False, True])

@@ -221,6 +221,11 @@ def attribute(model: torch.nn.Module, counter: DeviceOps):
             h.remove()
 
 
+def _nested(shape: list, value):
+    """A nested list of `shape` filled with `value` (what tolist() of such a tensor gives)."""
+    return value if not shape else [_nested(shape[1:], value) for _ in range(shape[0])]
+
+
 @contextlib.contextmanager
 def fake_cuda(counter: DeviceOps):
     """FakeTensorMode (enter `counter` inside it to count); the reads of values on the host (item, tolist,
@@ -239,7 +244,7 @@ def fake_cuda(counter: DeviceOps):
             if self.is_cuda:
                 counter.record_sync(f"value read on the host ({name.strip('_')})")
             if name == "tolist":
-                return counter.stand_ins.get(id(self), [1] * self.numel() if self.dim() == 1 else 1)
+                return counter.stand_ins.get(id(self)) or _nested(list(self.shape), 1)
             return value
         return read
 
