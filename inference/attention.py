@@ -1,6 +1,7 @@
 """Attention: low-rank q, one shared KV head with a window ring, compressed KV picked by the indexer,
 sparse attention with sink, inverse RoPE on the output and the grouped low-rank output
 (docs/architecture.md §6)."""
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -12,11 +13,22 @@ from .indexer import Indexer
 from .kv_cache import gather_rows, register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
 from .rope import apply_rotary_
-from .state import ForwardCall, Kind, ModelContext
+from .state import ForwardCall, Handoff, Kind, ModelContext, PublishedKeys
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """The layer whose compressed KV a layer reads: itself (a KV source) or the last KV source before it. A
+    reference, not a submodule: the compressor's weights and the cache are the source's."""
+    attention: "Attention"
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_id: int, ctx: ModelContext):
+    def __init__(self, layer_id: int, ctx: ModelContext, kv_source: Optional[KVSource] = None,
+                 published: Optional[PublishedKeys] = None):
+        """`kv_source`: where a layer with a compression ratio that does not compress reads its compressed KV
+        (the model gives it the last KV source before it); `published`: the model's published index keys,
+        which an index source reads (and an index-key owner writes)."""
         super().__init__()
         args: ModelArgs = ctx.args
         w = ctx.par.world_size
@@ -42,12 +54,17 @@ class Attention(nn.Module):
         register_cache(self, "kv_cache", (args.max_batch_size, self.window, args.head_dim), "fp8", ctx)
         self.journal = None      # an extend call's overwritten ring slots, for rollback
         self.compressor = self.indexer = None
+        self.kv_source = kv_source
         if self.is_backbone and layer_id in args.kv_source_layers:
             self.compressor = Compressor(self.ratio, ctx)
             register_cache(self, "compress_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                                     args.head_dim), "fp4_e4m3", ctx)
+            self.kv_source = KVSource(self)
+        if self.ratio > 0 and self.is_backbone and self.kv_source is None:
+            raise ValueError(f"layer {layer_id} (compression ratio {self.ratio}) needs the KV source it "
+                             f"reads")
         if self.is_backbone and layer_id in args.index_source_layers:
-            self.indexer = Indexer(layer_id, ctx)
+            self.indexer = Indexer(layer_id, ctx, published)
 
     def rollback(self, keep_until: int) -> None:
         """Undo the ring writes of a verification call for positions > keep_until (slots it overwrote that
@@ -93,37 +110,40 @@ class Attention(nn.Module):
                                    self.wo_a.derived)                          # [B, S, G_l, o_lora]
         return self.wo_b(o.flatten(2))                                          # [B, S, D]
 
-    def forward(self, x: torch.Tensor, call: ForwardCall) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, call: ForwardCall, handoff: Handoff) -> Tuple[torch.Tensor, Handoff]:
+        """x [B, S, D] -> (y [B, S, D], the handoff with what this layer adds to it: an index source's
+        selection, a decode step's gathered compressed rows)."""
         b, s, _ = x.shape
         rope = call.rope(self.freqs())                                         # [S, rope_dim / 2]
         q, qr, kv = self.project(x, rope)
         kv_all = self.window_rows(kv, call)                                    # [B, n_win, hd]
         idx = call.window.expand(b, s, -1)                                      # [B, S, n_win] into kv_all
         if self.ratio > 0:
-            topk = self.compressed_path(x, qr, call)                           # [B, S, k] compressed rows
-            rows, rows_idx = self.compressed_rows(topk, call, kv_all.shape[1])  # [B, T', hd], [B, S, k]
+            handoff = self.compressed_path(x, qr, call, handoff)               # the selection made or taken
+            rows, rows_idx, handoff = self.compressed_rows(handoff, call, kv_all.shape[1])
             kv_all = torch.cat([kv_all, rows], dim=1)                          # [B, n_win + T', hd]
-            idx = torch.cat([idx, rows_idx], dim=-1)
+            idx = torch.cat([idx, rows_idx], dim=-1)                           # [B, S, n_win + k]
         o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)   # [B, S, H_l, hd]
-        return self.output(o, rope)
+        return self.output(o, rope), handoff
 
-    def compressed_rows(self, topk: torch.Tensor, call: ForwardCall, offset: int):
-        """The compressed KV rows this call attends to, placed after the `offset` window rows, and where each
-        query's top-k list finds them: (rows [B, T', hd], indices [B, S, k] into [window rows | rows], -1 =
-        none). A decode step gathers and decodes only the listed rows (its work does not grow with the
-        context), once for all the layers that share the cache and the list; other calls read every row."""
+    def compressed_rows(self, handoff: Handoff, call: ForwardCall, offset: int):
+        """The compressed KV rows of the KV source that this call attends to, placed after the `offset` window
+        rows, and where each query's top-k list (handoff.topk) finds them: (rows [B, T', hd], indices
+        [B, S, k] into [window rows | rows], -1 = none, the handoff). A decode step gathers and decodes only
+        the listed rows (its work does not grow with the context), once for all the layers that share the
+        cache and the list (handoff.rows); other calls read every row."""
+        cache, topk = self.kv_source.attention.compress_cache, handoff.topk
         b = topk.shape[0]
-        ex = call.exchange
         valid = topk >= 0
         if call.kind != Kind.DECODE:
             keys = call.ratios[self.ratio].keys
-            return ex.compress_kv[:b, :keys], torch.where(valid, topk + offset, -1)
-        if ex.selection is None or ex.selection[0] is not ex.compress_kv or ex.selection[1] is not topk:
+            return cache[:b, :keys], torch.where(valid, topk + offset, -1), handoff
+        if handoff.rows is None or handoff.rows[0] is not cache or handoff.rows[1] is not topk:
             k = topk.shape[-1]
-            rows = gather_rows(ex.compress_kv, b, topk[:, 0].long().clamp_min(0))          # [B, k, hd]
+            rows = gather_rows(cache, b, topk[:, 0].long().clamp_min(0))                   # [B, k, hd]
             at = torch.arange(offset, offset + k, dtype=topk.dtype, device=topk.device)
-            ex.selection = (ex.compress_kv, topk, rows, torch.where(valid, at, -1))
-        return ex.selection[2], ex.selection[3]
+            handoff = replace(handoff, rows=(cache, topk, rows, torch.where(valid, at, -1)))
+        return handoff.rows[2], handoff.rows[3], handoff
 
     def window_rows(self, kv: torch.Tensor, call: ForwardCall) -> torch.Tensor:
         """Write the call's window KV into the ring and return the rows its window lists index."""
@@ -144,25 +164,23 @@ class Attention(nn.Module):
         self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
         return rows
 
-    def compressed_path(self, x, qr, call: ForwardCall) -> torch.Tensor:
-        """The compressor's new entries written (and handed on), the index selection made or taken:
-        -> [B, S, k] compressed rows, -1 = none."""
+    def compressed_path(self, x, qr, call: ForwardCall, handoff: Handoff) -> Handoff:
+        """The compressor's new entries written, the index selection made (an index source: handed on as
+        handoff.topk, with the candidate blocks of the candidate source) or taken from the handoff."""
         b, s, _ = x.shape
-        ex, plan = call.exchange, call.ratios[self.ratio]
+        plan = call.ratios[self.ratio]
         latent: Optional[torch.Tensor] = None
         if self.compressor is not None:
             latent = self.compressor(x, call)                                  # [B, n, hd], unrotated
-            ex.compress_kv = self.compress_cache
         if self.indexer is not None:
             if plan.keys == 0:                                                 # no group complete yet
-                topk = torch.empty(b, s, 0, dtype=torch.int32, device=x.device)
+                handoff = replace(handoff, topk=torch.empty(b, s, 0, dtype=torch.int32, device=x.device))
             else:
-                topk = self.indexer(x, qr, latent, call)
-            ex.topk_idxs = topk
-        else:
-            topk = ex.topk_idxs
+                topk, candidates = self.indexer(x, qr, latent, call, handoff)   # [B, S, k], [B, S, T]
+                handoff = replace(handoff, topk=topk, candidates=handoff.candidates if candidates is None
+                                  else candidates)
         if latent is not None:
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[plan.rope_pos], self.nx)
             self.nx.fp4_qdq_e4m3_(latent)                                      # the cache's rounding
             self.compress_cache[:b, plan.rows] = latent
-        return topk
+        return handoff

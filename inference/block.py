@@ -11,7 +11,7 @@ from .hyper import MixConfig, MixWeights, hc_mixes, hc_post, hc_pre
 from .kernels import Derived
 from .layers import RMSNorm
 from .moe import MoE
-from .state import ForwardCall, ModelContext
+from .state import ForwardCall, Handoff, ModelContext
 
 
 def empty_param(shape, dtype=torch.float32):
@@ -26,6 +26,8 @@ class Block(nn.Module):
     and returns its own for the next one (docs/architecture.md §4.3)."""
 
     def __init__(self, layer_id: int, ctx: ModelContext, attn: Optional[nn.Module] = None):
+        """`attn`: the layer's attention, made by the model (which knows the layer's sources), or a plain one
+        for a block built alone."""
         super().__init__()
         a = ctx.args
         self.layer_id, self.ctx, self.nx = layer_id, ctx, ctx.numerics
@@ -53,16 +55,17 @@ class Block(nn.Module):
         return call.per_position(lambda u: hc_mixes(u, w, self.mix_cfg, self.nx, self.derived), x)
 
     def forward(self, x: torch.Tensor, call: ForwardCall, pre_mix: torch.Tensor,
-                image_mask: Optional[torch.Tensor] = None, **attn_kwargs):
-        """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre)."""
+                image_mask: Optional[torch.Tensor] = None, handoff: Handoff = Handoff()):
+        """x [B, S, hc, D] bf16, pre_mix [B, S, hc] fp32 -> (x', this block's FFN-site pre, the handoff for
+        the blocks after it)."""
         nx, residual = self.nx, x
         pre_a, post_a, comb_a = self.mixes(x, MixWeights(self.hc_attn_fn, self.hc_attn_base,
                                                          self.hc_attn_scale), call)
-        y = self.attn(self.attn_norm(hc_pre(x, pre_mix, nx)), call, **attn_kwargs)        # [B, S, D]
+        y, handoff = self.attn(self.attn_norm(hc_pre(x, pre_mix, nx)), call, handoff)     # [B, S, D]
         x = hc_post(y, residual, post_a, comb_a, nx)                                      # [B, S, hc, D]
         residual = x
         pre_f, post_f, comb_f = self.mixes(x, MixWeights(self.hc_ffn_fn, self.hc_ffn_base,
                                                          self.hc_ffn_scale), call)
         y = self.ffn(self.ffn_norm(hc_pre(x, pre_a, nx)), call, image_mask)
         x = hc_post(y, residual, post_f, comb_f, nx)
-        return x, pre_f
+        return x, pre_f, handoff

@@ -1,6 +1,6 @@
 """DSpark draft head (checkpoint `mtp.0..K`): window-only stages seeded with the main model's KV, a Markov
 head that chains the drafts and a confidence head (docs/architecture.md §11.1-11.4)."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -10,7 +10,7 @@ from .hyper import hc_pre
 from .layers import Linear, ParallelEmbedding, ParallelHead, RMSNorm
 from .block import Block
 from .sampling import sample
-from .state import ForwardCall, ModelContext
+from .state import ForwardCall, Handoff, ModelContext
 
 
 class DSparkAttention(Attention):
@@ -24,12 +24,10 @@ class DSparkAttention(Attention):
         keep = min(m, self.window)
         self.kv_cache[:b, positions[m - keep:] % self.window] = kv[:, m - keep:]
 
-    def forward(self, x: torch.Tensor, call: ForwardCall, main_x: torch.Tensor) -> torch.Tensor:
-        """x [B, blk, D]: the draft block at call.positions, right after the main model's m positions of
-        main_x [B, m, D] (written into the ring first)."""
+    def forward(self, x: torch.Tensor, call: ForwardCall, handoff: Handoff) -> Tuple[torch.Tensor, Handoff]:
+        """x [B, blk, D]: the draft block at call.positions, right after the main model's positions (whose KV
+        write_main_kv has put into the ring) -> (y [B, blk, D], the handoff, unchanged)."""
         b, blk, _ = x.shape
-        start_pos = call.start - main_x.shape[1]
-        self.write_main_kv(main_x, start_pos)
         rope = call.rope(self.freqs())
         q, _, kv = self.project(x, rope)
         kv_all = torch.cat([self.kv_cache[:b], kv], dim=1)                      # [B, W + blk, hd]
@@ -37,7 +35,7 @@ class DSparkAttention(Attention):
         idx = torch.cat([torch.arange(n_ring), self.window + torch.arange(blk)]).to(torch.int32)
         idx = idx.to(x.device).expand(b, blk, -1)
         o = self.nx.sparse_attn(q, kv_all, self.attn_sink, idx, self.softmax_scale)    # [B, blk, H_l, hd]
-        return self.output(o, rope)
+        return self.output(o, rope), handoff
 
 
 class MarkovHead(nn.Module):
@@ -80,7 +78,7 @@ class DSpark(nn.ModuleList):
         self._shared = (embed, head)
 
     @torch.inference_mode()
-    def forward_spec(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int,
+    def draft(self, input_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int,
                      temperature: Optional[float] = None):
         """input_ids [B] (the token at position start_pos + m), main_hidden [B, m, n_targets*D]; the drafts
         are sampled at `temperature` (None: the config's).
@@ -98,9 +96,11 @@ class DSpark(nn.ModuleList):
         x = embed(ids).unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                 # [B, blk, hc, D]
         pre = torch.zeros(b, blk, a.hc_mult, dtype=torch.float32, device=x.device)
         pre[..., 0] = 1
+        for stage in self:                                   # the main rows' KV first, then the draft block
+            stage.attn.write_main_kv(main_x, start_pos)
         call = ForwardCall.draft(start_pos + main_x.shape[1], blk, x.device)
         for stage in self:
-            x, pre = stage(x, call, pre, None, main_x=main_x)
+            x, pre, _ = stage(x, call, pre)
         return self.forward_head(x, pre, input_ids, temperature)
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:

@@ -193,8 +193,8 @@ class EngramHasher(nn.Module):
         self.ids.fill_(DEAD)
 
     @torch.no_grad()
-    def hash(self, input_ids: torch.Tensor, start_pos: int, token_mask: Optional[torch.Tensor] = None,
-             positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, start_pos: int, token_mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows [B, S, n_engram_layers, (max_ngram - 1) * n_heads] int64, offsets included. `positions` [S]:
         the call's positions as a device tensor (a CUDA graph's decode step), instead of start_pos."""
         bsz, seqlen = input_ids.shape
@@ -238,6 +238,8 @@ class EngramHasher(nn.Module):
         h = torch.stack(hashes, dim=-1)  # [B, S, n_layers, n_orders]
         h = h.repeat_interleave(self.layout.n_heads, dim=-1)  # [B, S, n_layers, cols]
         return h % self.primes + self.offsets  # [B, S, n_layers, cols]
+
+    hash = forward          # the hashing by its name (the model calls the module, so that hooks see it)
 
 
 class ParallelEngramEmbedding(nn.Module):

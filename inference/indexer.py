@@ -1,5 +1,5 @@
 """Indexer: scores compressed positions per query and keeps the top-k (docs/architecture.md §6.6-6.7)."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -8,7 +8,7 @@ from .config import ModelArgs
 from .kv_cache import register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm
 from .rope import apply_rotary_
-from .state import ForwardCall, Kind, ModelContext
+from .state import ForwardCall, Handoff, Kind, ModelContext, PublishedKeys
 
 
 def topk_indices(x: torch.Tensor, k: int, deterministic: bool, sorted: bool = True) -> torch.Tensor:
@@ -46,7 +46,9 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, n_
 
 
 class Indexer(nn.Module):
-    def __init__(self, layer_id: int, ctx: ModelContext):
+    def __init__(self, layer_id: int, ctx: ModelContext, published: Optional[PublishedKeys] = None):
+        """`published`: the model's published index keys (what this layer scores against; an index-key
+        owner publishes its own cache there)."""
         super().__init__()
         args: ModelArgs = ctx.args
         self.ctx, self.nx, self.layer_id = ctx, ctx.numerics, layer_id
@@ -55,6 +57,7 @@ class Indexer(nn.Module):
                                                       args.rope_head_dim)
         self.n_local_heads = args.index_n_heads // ctx.par.world_size
         self.topk = args.index_topk
+        self.published = published if published is not None else PublishedKeys()
         self.owns_keys = layer_id in args.kv_source_layers
         self.is_candidate_source = layer_id == args.candidate_source_layer
         self.uses_candidates = 0 <= args.candidate_source_layer < layer_id
@@ -69,45 +72,48 @@ class Indexer(nn.Module):
             register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                              args.index_head_dim), "fp4_ue8m0", ctx)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor],
-                call: ForwardCall) -> torch.Tensor:
-        """-> [B, S, k] int32 compressed rows, ascending, -1 = none."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], call: ForwardCall,
+                handoff: Handoff) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """-> (the selection [B, S, k] int32 compressed rows, ascending, -1 = none; the candidate source's
+        blocks [B, S, T] bool, None in the other layers)."""
         b, s, _ = x.shape
-        ex, nx, plan, opts = call.exchange, self.nx, call.ratios[self.ratio], self.ctx.opts
-        shared, freqs = self.ctx.shared, self.ctx.compress_freqs
+        nx, plan, opts = self.nx, call.ratios[self.ratio], self.ctx.opts
+        freqs = self.ctx.compress_freqs
         if self.owns_keys and latent is not None:
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
             apply_rotary_(k[..., -self.rope_dim:], freqs[plan.rope_pos], nx)
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
             self.k_cache[:b, plan.rows] = k
-            shared.index_k = self.k_cache
-        elif self.owns_keys and call.publish:
-            shared.index_k = self.k_cache    # a prefill chunk publishes what the whole prefill would have
+            self.published.publish(self.k_cache)
+        elif self.owns_keys and call.policy.publish:
+            self.published.publish(self.k_cache)   # a prefill chunk publishes what the whole prefill would
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], call.rope(freqs), nx)
         nx.fp4_qdq_e8m0_(q)
         t = plan.keys
-        keys = shared.index_k[:b, :t]                                # [B, T, ihd]
+        keys = self.published.cache[:b, :t]                          # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
-        if (call.kind == Kind.VERIFY and self.owns_keys and not call.publish
-                and ex.index_k_at_start is not None and self.ratio > 1):
+        stale = handoff.published_at_start
+        if (call.kind == Kind.VERIFY and self.owns_keys and not call.policy.publish and stale is not None
+                and self.ratio > 1):
             # Verification in reference numerics: a row whose group is still incomplete would, decoded alone,
             # not have published its keys and would score against the stale published cache
             # (docs/numerics.md §14.1).
-            stale_score = nx.index_scores(q, ex.index_k_at_start[:b, :t], w, self.ctx.par)
+            stale_score = nx.index_scores(q, stale[:b, :t], w, self.ctx.par)
             incomplete = (call.positions + 1) % self.ratio != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
         lens = plan.visible                                          # [S] groups visible to each query
         # (all t rows at a decode step's int position; a graph's step masks its bucket's rows past its own)
         score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
+        candidates = None
         if self.is_candidate_source:
             a = self.ctx.args
-            ex.candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks,
-                                                    a.candidate_block_size, opts.deterministic_topk)
+            candidates = select_candidate_blocks(score, lens, a.candidate_topk_blocks, a.candidate_block_size,
+                                                 opts.deterministic_topk)
         elif self.uses_candidates:
-            score = score.masked_fill(~ex.candidates, float("-inf"))
+            score = score.masked_fill(~handoff.candidates, float("-inf"))
         top = topk_indices(score, min(self.topk, t), opts.deterministic_topk, sorted=False)
         top = top.sort(dim=-1).values
         top = torch.where(top < lens.view(1, -1, 1), top, -1)
-        return top.to(torch.int32)                                   # [B, S, k]
+        return top.to(torch.int32), candidates                       # [B, S, k]

@@ -1,12 +1,15 @@
 """Transformer: embedding, Engram hashing, the stack of Blocks, the head, the DSpark draft head and the vision
-tower; prefill, decode, extend and rollback (docs/architecture.md §3-5)."""
+tower. Its calls: prefill (a prompt, or its next chunk), decode (one position per row) and verify
+(speculative drafts), each returning the logits and what DSpark needs; rollback after a verification
+(docs/architecture.md §3-5)."""
 import gc
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
 
+from .attention import Attention, KVSource
 from .block import Block, empty_param
 from .dspark import DSpark
 from .config import ModelArgs, RuntimeOptions
@@ -15,8 +18,7 @@ from .hyper import hc_pre
 from .kernels import drop_derived
 from .layers import ParallelEmbedding, ParallelHead, RMSNorm
 from .parallel import ParallelContext
-from .sampling import sample
-from .state import DecodeStep, ForwardCall, ModelContext
+from .state import DecodeStep, ForwardCall, Handoff, ModelContext, PublishedKeys
 from .vision import Aligner, VisionTransformer, encode_image, image_span_embeddings
 
 
@@ -46,10 +48,13 @@ class Transformer(nn.Module):
         # The released model has some 64,000 modules: the collector's walks over them as they accumulate were
         # 40 % of its build time, and none of them is garbage.
         with torch.device(device), _collector_paused():
-            self.ctx = ModelContext(args, par, opts or RuntimeOptions(), device=device, streamed=streamed)
+            self.ctx = ModelContext.build(args, par, opts or RuntimeOptions(), device=device,
+                                          streamed=streamed)
             self.nx = self.ctx.numerics
             self.embed = ParallelEmbedding(args.vocab_size, args.dim, self.ctx)
-            self.layers = nn.ModuleList([Block(i, self.ctx) for i in range(args.n_layers)])
+            # the index keys published across calls (state of the model, as the caches are)
+            self.published = PublishedKeys()
+            self.layers = nn.ModuleList(self._blocks())
             self.norm = RMSNorm(args.dim, args.norm_eps, self.ctx)
             self.head = ParallelHead(args.vocab_size, args.dim, self.ctx)
             self.vision = self.aligner = None
@@ -65,6 +70,18 @@ class Transformer(nn.Module):
         self.engram_hasher: Optional[EngramHasher] = None
         if tokenizer is not None and args.engram_layer_ids:
             self.set_tokenizer(tokenizer)
+
+    def _blocks(self) -> List[Block]:
+        """The backbone's blocks in order, each attention given when it is built the sources it reads: the
+        last KV source at or before it (its compressed KV) and the published index keys."""
+        blocks, source = [], None
+        for i in range(self.args.n_layers):
+            reads = source if self.args.compress_ratios[i] > 0 else None
+            attn = Attention(i, self.ctx, reads, self.published)
+            if attn.compressor is not None:
+                source = KVSource(attn)
+            blocks.append(Block(i, self.ctx, attn=attn))
+        return blocks
 
     def set_tokenizer(self, tokenizer) -> None:
         """The Engram hashes need the compressed token map built from the tokenizer
@@ -88,7 +105,7 @@ class Transformer(nn.Module):
                 buf.fill_(float("-inf"))
             elif buf.dtype in (torch.bfloat16, torch.float32, torch.uint8):     # uint8: packed caches
                 buf.zero_()
-        self.ctx.shared.reset()
+        self.published.reset()
         if self.engram_hasher is not None:
             self.engram_hasher.reset()
 
@@ -123,53 +140,58 @@ class Transformer(nn.Module):
                                      f"prefill chunk of positions {start_pos}..{start_pos + h.shape[1] - 1}")
                 h[b, first:first + span.shape[0]] = span
 
-    def check_inputs(self, input_ids: torch.Tensor, start_pos: int, prefill: bool) -> None:
+    def check_inputs(self, input_ids: torch.Tensor, start_pos: int, verify: bool = False) -> None:
         b, s = input_ids.shape
         a = self.args
         if b > a.max_batch_size:
             raise ValueError(f"batch of {b} exceeds max_batch_size={a.max_batch_size}")
         if start_pos + s > a.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
-        if not prefill and s > a.window_size:
+        if verify and s > a.window_size:
             raise ValueError(f"a verification call (several positions at start_pos > 0, not a prefill) "
                              f"takes at most window_size={a.window_size} tokens")
 
-    def describe(self, start_pos: int, s: int, prefill: Optional[bool] = None,
-                 step: Optional[DecodeStep] = None) -> ForwardCall:
-        """The descriptor of a call over positions [start_pos, start_pos + s) (see forward), or of a graph's
-        decode step at the tensor position step.pos (start_pos then unused: no layer reads an int one)."""
-        published = self.ctx.shared.index_k
-        if step is not None:
-            return ForwardCall.graph_step(step, self.args, published, self.ctx.always_publish)
-        prefill = start_pos == 0 if prefill is None else prefill
-        return ForwardCall.make(start_pos, s, prefill, self.args, self.nx.rows_independent, self.ctx.device,
-                                published, self.ctx.always_publish)
+    # ---- the model's calls ----
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, start_pos: int = 0, images=None,
-                token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
-                capture: Optional[Dict[str, List[torch.Tensor]]] = None, prefill: Optional[bool] = None,
-                step: Optional[DecodeStep] = None, temperature: Optional[float] = None):
-        """input_ids [B, S] at positions [start_pos, start_pos + S) -> (next_ids [B], logits [B, V] (or
-        [B, S, V] with all_logits) fp32, main_hidden [B, S, len(targets)*D] bf16 or None).
+    def prefill(self, input_ids: torch.Tensor, start: int = 0, images=None,
+                token_types: Optional[torch.Tensor] = None, all_logits: bool = False) -> "Output":
+        """A prompt's positions [start, start + S) of input_ids [B, S]: its first call (start 0), or its next
+        chunk, of any length, computing what one call over the whole prompt computes (the same bits in
+        invariant numerics). Image spans (`images`, with `token_types`) may sit in any chunk, each inside
+        one. -> Output: logits of the last position [B, V] (all of them [B, S, V] with all_logits)."""
+        self.check_inputs(input_ids, start)
+        call = ForwardCall.prefill(start, input_ids.shape[1], self.args, self.ctx.device)
+        return self._run(input_ids, call, images, token_types, all_logits)
 
-        `prefill` (default: start_pos == 0): the call prefills a prompt, or continues its prefill in chunks
-        of any length, computing what one call over the whole prompt computes (the same bits in invariant
-        numerics). Otherwise every row is a decode step at its position: S = 1 decodes; S > 1 (at most
-        window_size) verifies speculative drafts, each row equal to decoding it alone, and rollback() forgets
-        the rows that were not accepted. Image spans may sit in any prefill chunk, each inside one.
-        `step` (a DecodeStep): one decode step at the device position step.pos, start_pos unused: the step
-        a CUDA graph captures and replays at every position of a length bucket (engine/cuda_graph.py).
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, pos: Union[int, DecodeStep]) -> "Output":
+        """One decode step of every row: input_ids [B, 1] at position `pos`, an int, or a DecodeStep (the
+        position a device tensor: the step a CUDA graph captures and replays at every position of a length
+        bucket, engine/cuda_graph.py). -> Output: logits [B, V]."""
+        if isinstance(pos, DecodeStep):
+            call = ForwardCall.graph_step(pos, self.args, self.ctx.always_publish)
+        else:
+            self.check_inputs(input_ids, pos)
+            call = ForwardCall.decode(pos, self.args, self.ctx.device, self.ctx.always_publish)
+        return self._run(input_ids, call)
 
-        `temperature`: how next_ids are sampled (0 = argmax; None: the config's temperature).
-        `capture` (parity bisection, inference/parity.py) receives lists of this call's tensors:
-        one per Engram layer (engram_out), one per block (block_out, block_pre_mix), and one-entry lists
-        engram_hashes, final_norm, indexer_idxs.layerL (each index source L) and candidates."""
+    @torch.inference_mode()
+    def verify(self, input_ids: torch.Tensor, start: int, all_logits: bool = True) -> "Output":
+        """Speculative drafts checked as decode steps: input_ids [B, S] at positions [start, start + S), S at
+        most window_size, each row's logits equal to decoding it alone; rollback() then forgets the rows
+        that were not accepted. -> Output: logits [B, S, V] (the last position's [B, V] without
+        all_logits)."""
+        self.check_inputs(input_ids, start, verify=True)
+        call = ForwardCall.verify(start, input_ids.shape[1], self.args, self.ctx.device,
+                                  self.nx.rows_independent, self.ctx.always_publish)
+        return self._run(input_ids, call, all_logits=all_logits)
+
+    def _run(self, input_ids: torch.Tensor, call: ForwardCall, images=None,
+             token_types: Optional[torch.Tensor] = None, all_logits: bool = False) -> "Output":
+        """The stack, the same for every kind of call: Engram hashing, embedding (image spans merged), the
+        streams through the blocks, the final collapse, norm and head."""
         a = self.args
-        if step is None:
-            prefill = start_pos == 0 if prefill is None else prefill
-            self.check_inputs(input_ids, start_pos, prefill)
-        call = self.describe(start_pos, input_ids.shape[1], prefill, step)
         b, s = input_ids.shape
         image_mask = token_types >= 0 if token_types is not None else None
         engram_mask = ~image_mask if image_mask is not None else None
@@ -177,45 +199,31 @@ class Transformer(nn.Module):
         if a.engram_layer_ids:
             if self.engram_hasher is None:
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
-            at = None if step is None else call.positions
-            hashes = self.engram_hasher.hash(input_ids, call.start or 0, engram_mask, at)  # [B, S, n_e, cols]
-            if capture is not None:
-                capture["engram_hashes"] = [hashes]
+            at = call.positions if call.start is None else None       # a graph's step: a device position
+            hashes = self.engram_hasher(input_ids, call.start or 0, engram_mask, at)  # [B, S, n_e, cols]
         h = self.embed(input_ids)                                                   # [B, S, D]
         if images is not None and any(images):
-            self.merge_images(h, images, token_types, start_pos)
+            self.merge_images(h, images, token_types, call.start)
         x = h.unsqueeze(2).repeat(1, 1, a.hc_mult, 1)                               # [B, S, hc, D]
         pre = torch.zeros(b, s, a.hc_mult, dtype=torch.float32, device=h.device)
         pre[..., 0] = 1                                                              # one-hot on stream 0
-        x, pre, main_hidden = self.blocks(x, pre, call, hashes, image_mask, engram_mask, capture)
-        x = self.norm(hc_pre(x, pre, self.nx))
-        if capture is not None:
-            capture["final_norm"] = [x]
-        # Verification: per-position GEMVs, so every verified position's logits equal decoding it alone.
-        logits = self.head(x, all_positions=all_logits, call=call)                  # [B, V] / [B, S, V]
-        temperature = a.temperature if temperature is None else temperature
-        next_ids = sample(logits[:, -1] if all_logits else logits, temperature, self.nx)
-        return next_ids, logits, main_hidden
-
-    def blocks(self, x: torch.Tensor, pre: torch.Tensor, call: ForwardCall, hashes, image_mask, engram_mask,
-               capture) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """The stack: x [B, S, hc, D] -> (x, the last block's pre mix, DSpark's main_hidden or None)."""
-        a = self.args
+        handoff = Handoff(published_at_start=self.published.cache)
         main_hiddens = []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 rows = hashes[:, :, a.engram_layer_ids.index(i)]
                 x = call.per_position(layer.engram, x, rows, engram_mask)
-                if capture is not None:
-                    capture.setdefault("engram_out", []).append(x)
             if i in a.dspark_target_layer_ids:
                 main_hiddens.append(self.nx.mean(x, dim=2))                         # the block *input*
-            x, pre = layer(x, call, pre, image_mask)
-            if capture is not None:
-                capture.setdefault("block_out", []).append(x)
-                capture.setdefault("block_pre_mix", []).append(pre)
-                if i in a.index_source_layers:
-                    capture[f"indexer_idxs.layer{i}"] = [call.offset_rows(call.exchange.topk_idxs)]
-                if i == a.candidate_source_layer and call.exchange.candidates is not None:
-                    capture["candidates"] = [call.exchange.candidates]
-        return x, pre, torch.cat(main_hiddens, dim=-1) if main_hiddens else None
+            x, pre, handoff = layer(x, call, pre, image_mask, handoff)
+        x = self.norm(hc_pre(x, pre, self.nx))
+        # Verification: per-position GEMVs, so every verified position's logits equal decoding it alone.
+        logits = self.head(x, all_positions=all_logits, call=call)                  # [B, V] / [B, S, V]
+        return Output(logits, torch.cat(main_hiddens, dim=-1) if main_hiddens else None)
+
+
+class Output(NamedTuple):
+    """What a call of the model gives back: fp32 logits, and the DSpark target layers' stream means
+    main_hidden [B, S, n_targets * D] (None without target layers), what the draft head reads."""
+    logits: torch.Tensor
+    main_hidden: Optional[torch.Tensor]

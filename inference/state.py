@@ -1,5 +1,6 @@
 """What a layer needs besides its weights: the model's context (config, parallelism, options, numerics, RoPE
-tables, the published index keys), and the descriptor of the call it is part of (ForwardCall)."""
+tables), the descriptor of the call it is part of (ForwardCall), what its layers hand on to the layers after
+them within the call (Handoff), and the index keys published across calls (PublishedKeys)."""
 import enum
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -13,27 +14,36 @@ from .parallel import ParallelContext
 from .rope import precompute_freqs_cis
 
 
-@dataclass
-class SharedAttentionState:
-    """The index keys last published by an index-key owner: read by later layers and, on purpose, kept across
-    calls (the official code reads a stale one, docs/numerics.md §14.1)."""
-    index_k: Optional[torch.Tensor] = None
+class PublishedKeys:
+    """The index-key cache an index-key owner last published: what every indexer scores against, kept on
+    purpose across calls (the official code reads a stale one, docs/numerics.md §14.1). State of the model,
+    like the caches: the model makes one and gives it to each indexer when it is built."""
 
-    def reset(self):
-        self.index_k = None
+    def __init__(self):
+        self.cache = None
+
+    def publish(self, cache) -> None:
+        self.cache = cache
+
+    def reset(self) -> None:
+        self.cache = None
 
 
-@dataclass
-class Exchange:
-    """What a call's source layers hand to its later layers (docs/architecture.md §6.3), written and read
-    within that call only: a fresh one per call."""
-    # the published keys as the call began (docs/numerics.md §14.1)
-    index_k_at_start: Optional[torch.Tensor] = None
-    compress_kv: Optional[torch.Tensor] = None
-    topk_idxs: Optional[torch.Tensor] = None
-    candidates: Optional[torch.Tensor] = None          # None: not computed in this call
-    # a decode step's compressed rows of (compress_kv, topk_idxs), gathered once: (cache, list, rows, indices)
-    selection: Optional[tuple] = None
+@dataclass(frozen=True)
+class Handoff:
+    """What a call's layers hand on to the layers after them, passed down the blocks loop with the streams
+    (each layer returns the one it was given, or a new one with what it added):
+
+    published_at_start  the index keys published when the call began (a verification's stale rows,
+                        docs/numerics.md §14.1)
+    topk                the latest index source's selection [B, S, k] (compressed rows, -1 = none)
+    candidates          the candidate source's blocks [B, S, T] (bool), once it has run in the call
+    rows                a decode step's compressed rows of (cache, topk), gathered and decoded once for every
+                        layer that reads them: (cache, topk, rows [B, k, hd], indices [B, 1, k])"""
+    published_at_start: Optional[object] = None
+    topk: Optional[torch.Tensor] = None
+    candidates: Optional[torch.Tensor] = None
+    rows: Optional[tuple] = None
 
 
 @dataclass
@@ -100,8 +110,10 @@ def window_extend_idx(start: int, s: int, window: int, device=None) -> torch.Ten
 
 @dataclass(frozen=True)
 class ForwardCall:
-    """What one forward call is: made once by Transformer.forward and passed down to every layer as an
-    argument, with what follows from the positions computed once for all layers.
+    """What one forward call is: made once by the Transformer's prefill, decode or verify (or DSpark's draft)
+    and passed down to every layer as an argument, with what follows from the positions computed once for all
+    layers. Its geometry (kind to ring_slots) is apart from its policy (Policy: what the call publishes, and
+    whether per-token computations run position by position).
 
     kind       Kind (above).
     start      the first position, an int; None in a CUDA graph's step, whose position is a tensor only.
@@ -111,13 +123,8 @@ class ForwardCall:
     window     [S, n] int32 sliding-window lists (-1 = none) in the layout of the kind: PREFILL over the
                call's rows, DECODE over the ring, CHUNK and VERIFY over [ring | the call's rows].
     ratios     {r: RatioPlan} for each compression ratio of the model.
-    publish    the index-key owners publish their keys as one call over the whole prompt would (a prefill;
-               every call with the stale-key fix, docs/numerics.md §14.1).
-    one_by_one per-token computations whose rounding depends on the tensor's size (fp32 GEMMs, transcendental
-               functions on a few elements) run one position at a time, as a decode step runs them, so that a
-               verification equals decoding exactly (VERIFY, in an order whose rows depend on each other).
-    exchange   what the call's source layers hand to later layers (a fresh Exchange).
     ring_slots [S] the window ring's slot of each position (position mod window).
+    policy     Policy (below).
     rope_rows  a RoPE table's rows at the call's positions, looked up once per table (rope())."""
     kind: Kind
     start: Optional[int]
@@ -126,10 +133,8 @@ class ForwardCall:
     parity: int
     window: torch.Tensor
     ratios: Dict[int, RatioPlan]
-    publish: bool
-    one_by_one: bool
-    exchange: Exchange
-    ring_slots: Optional[torch.Tensor] = None
+    ring_slots: torch.Tensor
+    policy: "Policy"
     rope_rows: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def rope(self, table: torch.Tensor) -> torch.Tensor:
@@ -140,18 +145,37 @@ class ForwardCall:
         return rows
 
     @staticmethod
-    def make(start: int, s: int, prefill: bool, args: ModelArgs, rows_independent: bool, device,
-             index_k: Optional[torch.Tensor] = None, always_publish: bool = False) -> "ForwardCall":
-        """Positions [start, start + s): a prefill (`prefill`: or a chunk of one), else S = 1 decode steps or
-        an S > 1 verification. `index_k`: the keys published when the call begins; `always_publish`: the
-        stale-key fix (ModelContext.always_publish)."""
+    def prefill(start: int, s: int, args: ModelArgs, device) -> "ForwardCall":
+        """A prompt's positions [start, start + s): its first call (start 0) or its next chunk; its index-key
+        owners publish as one call over the whole prompt would."""
+        return ForwardCall._positions(start, s, args, device, s > 1, Policy(publish=True, one_by_one=False))
+
+    @staticmethod
+    def decode(pos: int, args: ModelArgs, device, always_publish: bool = False) -> "ForwardCall":
+        """One decode step at position `pos` (every row). `always_publish`: the stale-key fix."""
+        return ForwardCall._positions(pos, 1, args, device, False, Policy(always_publish, one_by_one=False))
+
+    @staticmethod
+    def verify(start: int, s: int, args: ModelArgs, device, rows_independent: bool,
+               always_publish: bool = False) -> "ForwardCall":
+        """Positions [start, start + s) checked as s decode steps (speculative drafts): per-token computations
+        run position by position unless the numerics' rows are independent of each other."""
+        return ForwardCall._positions(start, s, args, device, False,
+                                      Policy(always_publish, one_by_one=s > 1 and not rows_independent))
+
+    @staticmethod
+    def _positions(start: int, s: int, args: ModelArgs, device, chunk: bool,
+                   policy: "Policy") -> "ForwardCall":
+        """The geometry of positions [start, start + s): a prompt's first call (start 0: the call's own rows),
+        a decode step (s = 1: the ring), or a prompt's chunk / a verification (the ring, then the call's
+        rows)."""
         w = args.window_size
         if start == 0:
             kind, window = Kind.PREFILL, window_prefill_idx(s, w, device)
         elif s == 1:
             kind, window = Kind.DECODE, window_decode_idx(start, w, device).unsqueeze(0)
         else:
-            kind = Kind.CHUNK if prefill else Kind.VERIFY
+            kind = Kind.CHUNK if chunk else Kind.VERIFY
             window = window_extend_idx(start, s, w, device)
         positions = torch.arange(start, start + s, device=device)
         ratios = {}
@@ -159,12 +183,10 @@ class ForwardCall:
             first, end = start // r, (start + s) // r                  # groups completed in the call
             rows = torch.arange(first, end, device=device)
             ratios[r] = RatioPlan(end, (positions + 1) // r, rows, rows * r)
-        return ForwardCall(kind, start, s, positions, start % 2, window, ratios, prefill or always_publish,
-                           kind == Kind.VERIFY and not rows_independent, Exchange(index_k), positions % w)
+        return ForwardCall(kind, start, s, positions, start % 2, window, ratios, positions % w, policy)
 
     @staticmethod
-    def graph_step(step: DecodeStep, args: ModelArgs, index_k: Optional[torch.Tensor] = None,
-                   always_publish: bool = False) -> "ForwardCall":
+    def graph_step(step: DecodeStep, args: ModelArgs, always_publish: bool = False) -> "ForwardCall":
         """A decode step at the tensor position step.pos, reading the bucket step.length (no int position)."""
         pos = step.pos.view(1)
         ratios = {}
@@ -174,15 +196,15 @@ class ForwardCall:
                 rows = rows[:0]
             ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r)
         window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(0)
-        return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, always_publish, False,
-                           Exchange(index_k), pos % args.window_size)
+        return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, pos % args.window_size,
+                           Policy(always_publish, one_by_one=False))
 
     @staticmethod
     def draft(start: int, s: int, device) -> "ForwardCall":
         """The DSpark block at positions [start, start + s) (its attention makes its own lists)."""
         positions = torch.arange(start, start + s, device=device)
-        return ForwardCall(Kind.DRAFT, start, s, positions, start % 2, positions[:0], {}, False, False,
-                           Exchange())
+        return ForwardCall(Kind.DRAFT, start, s, positions, start % 2, positions[:0], {}, positions[:0],
+                           Policy(publish=False, one_by_one=False))
 
     @property
     def window_rows(self) -> int:
@@ -198,10 +220,10 @@ class ForwardCall:
         return torch.where(topk >= 0, topk + self.window_rows, -1)
 
     def per_position(self, fn, x: torch.Tensor, *args, dim: int = 1):
-        """fn(x, *args), evaluated one position (index along `dim`) at a time when `one_by_one`; tensor args
-        are sliced alike. Tensor outputs (or tuples of them) are concatenated back. Batch size 1 (the
-        speculative loop's): the gate's token axis is then the position axis."""
-        if not self.one_by_one or x.shape[dim] == 1:
+        """fn(x, *args), evaluated one position (index along `dim`) at a time when the policy says
+        one_by_one; tensor args are sliced alike. Tensor outputs (or tuples of them) are concatenated back.
+        Batch size 1 (the speculative loop's): the gate's token axis is then the position axis."""
+        if not self.policy.one_by_one or x.shape[dim] == 1:
             return fn(x, *args)
         outs = [fn(x.narrow(dim, i, 1), *(a.narrow(dim, i, 1) if torch.is_tensor(a) else a for a in args))
                 for i in range(x.shape[dim])]
@@ -211,39 +233,52 @@ class ForwardCall:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """How a call treats what it computes, apart from where its positions are.
+
+    publish    the index-key owners publish their keys as one call over the whole prompt would (a prefill;
+               every call with the stale-key fix, docs/numerics.md §14.1).
+    one_by_one per-token computations whose rounding depends on the tensor's size (fp32 GEMMs, transcendental
+               functions on a few elements) run one position at a time, as a decode step runs them, so that a
+               verification equals decoding exactly (VERIFY, in an order whose rows depend on each other)."""
+    publish: bool
+    one_by_one: bool
+
+
+@dataclass(frozen=True)
 class ModelContext:
     """Everything a layer needs besides its own weights and the call: config, parallelism, options, the
-    numerics, RoPE, the published index keys. `numerics` is made from the options and the device when not
-    given (numerics_for). Frozen: nothing about a call is set here (that is the ForwardCall's)."""
+    numerics, the RoPE tables. Made whole by ModelContext.build (every field computed first, then the frozen
+    object made once); nothing is set on it afterwards, and nothing about a call lives here (that is the
+    ForwardCall's)."""
     args: ModelArgs
-    par: ParallelContext = field(default_factory=ParallelContext.single)
-    opts: RuntimeOptions = field(default_factory=RuntimeOptions)
-    device: str = "cpu"
-    numerics: Optional[Numerics] = None
+    par: ParallelContext
+    opts: RuntimeOptions
+    device: str
+    numerics: Numerics
+    window_freqs: torch.Tensor       # ratio-0 layers and DSpark: rope_theta, no YaRN
+    compress_freqs: torch.Tensor     # ratio > 0 layers: compress_rope_theta with YaRN
     # Weights streamed from disk (--offload disk): what is derived from a routed expert is never kept.
     streamed: bool = False
-    window_freqs: Optional[torch.Tensor] = None     # ratio-0 layers and DSpark: rope_theta, no YaRN
-    compress_freqs: Optional[torch.Tensor] = None   # ratio > 0 layers: compress_rope_theta with YaRN
-    shared: SharedAttentionState = field(default_factory=SharedAttentionState)
     # page-locked buffers for the round trips to the host-expert kernel (--experts-on host beside a GPU)
     host_stage: Optional[PinnedStage] = None
 
-    def __post_init__(self):
-        a, nx = self.args, self.numerics
-        made = object.__setattr__         # the fields left to make, made once here
-        if nx is None:
-            nx = numerics_for(self.opts, self.device)
-            made(self, "numerics", nx)
-        if self.window_freqs is None:
-            made(self, "window_freqs", precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta,
-                                                            nx=nx, device=self.device))
-        if self.host_stage is None and self.opts.experts_on == "host" and \
-                torch.device(self.device).type not in ("cpu", "meta"):
-            made(self, "host_stage", PinnedStage())
-        if self.compress_freqs is None:
-            made(self, "compress_freqs", precompute_freqs_cis(
-                a.rope_head_dim, a.max_seq_len, a.compress_rope_theta, a.original_seq_len, a.rope_factor,
-                a.beta_fast, a.beta_slow, nx=nx, device=self.device))
+    @staticmethod
+    def build(args: ModelArgs, par: Optional[ParallelContext] = None, opts: Optional[RuntimeOptions] = None,
+              device: str = "cpu", streamed: bool = False,
+              numerics: Optional[Numerics] = None) -> "ModelContext":
+        """The context of a model built on `device`: its numerics chosen from the options (numerics_for,
+        unless given), its RoPE tables made with them."""
+        par, opts = par or ParallelContext.single(), opts or RuntimeOptions()
+        nx = numerics or numerics_for(opts, device)
+        a = args
+        window = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.rope_theta, nx=nx, device=device)
+        compress = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.compress_rope_theta,
+                                        a.original_seq_len, a.rope_factor, a.beta_fast, a.beta_slow, nx=nx,
+                                        device=device)
+        on_gpu = torch.device(device).type not in ("cpu", "meta")
+        stage = PinnedStage() if opts.experts_on == "host" and on_gpu else None
+        return ModelContext(args, par, opts, device, nx, window, compress, streamed, stage)
 
     @property
     def act_dtype(self) -> torch.dtype:

@@ -127,7 +127,7 @@ def model_logits(ids, numerics="reference"):
     torch.set_num_threads(1)
     try:
         model = fixture_model(RuntimeOptions.from_profile(numerics), max_seq_len=CTX, max_batch_size=1)
-        _, logits, _ = model(torch.tensor([ids]), 0, all_logits=True)
+        logits = model.prefill(torch.tensor([ids]), all_logits=True).logits
     finally:
         torch.set_num_threads(threads)
     return logits[0].float()

@@ -39,7 +39,7 @@ def test_the_captured_step_gives_the_eager_steps_bits(numerics, seqs):
         runs = []
         for graphed in (False, True):
             model.reset()
-            model(seqs[:, :PROMPT], 0)
+            model.prefill(seqs[:, :PROMPT])
             steps = []
             with torch.inference_mode():
                 for p in range(PROMPT, LAST):
@@ -47,9 +47,9 @@ def test_the_captured_step_gives_the_eager_steps_bits(numerics, seqs):
                     if graphed:
                         length = bucket(p, model.args.max_seq_len, minimum=32)
                         step = DecodeStep(torch.tensor(p), p % 2, length)
-                        steps.append(model(ids, -999, step=step)[1])      # the int position is not read
+                        steps.append(model.decode(ids, step).logits)       # no int position to read
                     else:
-                        steps.append(model(ids, p)[1])
+                        steps.append(model.decode(ids, p).logits)
             runs.append(torch.stack(steps))
     finally:
         torch.set_num_threads(threads)

@@ -98,7 +98,7 @@ def test_no_dequantised_copy_is_kept(host_model):
     """The routed experts stay in their stored dtypes on the CPU and keep nothing derived after a forward;
     only the other layers keep their layouts."""
     host_model.reset()
-    host_model(torch.tensor([[0, 5, 9, 14]]), 0)
+    host_model.prefill(torch.tensor([[0, 5, 9, 14]]))
     for moe in (m for m in host_model.modules() if isinstance(m, MoE)):
         for w, s in moe.stacked.values():
             assert w.device.type == "cpu" and w.element_size() == 1 and s.dtype == torch.float8_e8m0fnu
@@ -149,7 +149,7 @@ def test_the_copy_estimate_of_a_gpu_call(variant, monkeypatch):
     from inference.state import ModelContext
     args = ModelArgs.from_file(os.path.join(os.path.dirname(FIXTURE), "..", "..", "config.json"),
                                n_routed_experts=384)
-    ctx = ModelContext(args, opts=RuntimeOptions(experts_on="host"), device="meta")
+    ctx = ModelContext.build(args, opts=RuntimeOptions(experts_on="host"), device="meta")
     with torch.device("meta"):
         moe = MoE(ctx, 384, 6, False)
     per_expert = 3 * (5120 * 2304 // 2 + 5120 * 2304 // 32)
@@ -261,7 +261,7 @@ def test_fp8_experts_stay_fp8_on_the_host_and_score_as_on_the_device(fp8_experts
                         opts=RuntimeOptions.from_profile("fast", experts_on="host"),
                         tokenizer=load_tokenizer(fp8_experts["ckpt"]))
     load_checkpoint(model, fp8_experts["ckpt"])
-    model(torch.tensor([[0, 5, 9, 14]]), 0)
+    model.prefill(torch.tensor([[0, 5, 9, 14]]))
     moe = first_moe(model)
     assert all(w.device.type == "cpu" and w.dtype == torch.float8_e4m3fn for w, _ in moe.stacked.values())
     assert all(len(lin.derived) == 0 for e in moe.experts if e is not None for lin in (e.w1, e.w2, e.w3))

@@ -20,16 +20,16 @@ def setup(request):
     ref = fixture_tensors("reference_logits")
     seq = torch.cat([ref["prompt_ids"], ref["generated_ids"]], dim=1)
     model.reset()
-    model(seq[:, :P0], 0)
+    model.prefill(seq[:, :P0])
     decoded = {}
     for p in range(P0, P0 + N):
-        decoded[p] = model(seq[:, p:p + 1], p)[1]
+        decoded[p] = model.decode(seq[:, p:p + 1], p).logits
     return model, seq, decoded
 
 
 def prefill(model, seq):
     model.reset()
-    model(seq[:, :P0], 0)
+    model.prefill(seq[:, :P0])
 
 
 def test_extend_equals_decode(setup):
@@ -37,8 +37,8 @@ def test_extend_equals_decode(setup):
     for start in (P0, P0 + 1):                       # chunks starting at even and odd positions
         prefill(model, seq)
         for p in range(P0, start):
-            model(seq[:, p:p + 1], p)
-        _, out, hidden = model(seq[:, start:start + 5], start, all_logits=True)
+            model.decode(seq[:, p:p + 1], p)
+        out, hidden = model.verify(seq[:, start:start + 5], start)
         assert out.shape[1] == 5 and hidden.shape[1] == 5
         for i in range(5):
             assert torch.equal(out[:, i], decoded[start + i]), (start, i)
@@ -47,10 +47,10 @@ def test_extend_equals_decode(setup):
 def test_rollback_then_decode(setup):
     model, seq, decoded = setup
     prefill(model, seq)
-    model(seq[:, P0:P0 + 5], P0, all_logits=True)
+    model.verify(seq[:, P0:P0 + 5], P0)
     model.rollback(P0 + 1)                           # keep two positions, forget three
     for p in range(P0 + 2, P0 + 8):
-        assert torch.equal(model(seq[:, p:p + 1], p)[1], decoded[p]), p
+        assert torch.equal(model.decode(seq[:, p:p + 1], p).logits, decoded[p]), p
 
 
 def test_speculative_like_loop(setup):
@@ -60,7 +60,7 @@ def test_speculative_like_loop(setup):
     p, diffs = P0, []
     while p < P0 + N - 1:
         s = min(5, P0 + N - p)
-        out = model(seq[:, p:p + s], p, all_logits=True)[1]
+        out = model.verify(seq[:, p:p + s], p).logits
         diffs += [(out[:, i] - decoded[p + i]).abs() for i in range(s)]
         model.rollback(p + 1)
         p += 2

@@ -122,13 +122,13 @@ def run_phases(rec, model, prompt=24, batch=2):
     v = model.args.vocab_size
     ids = torch.randint(4, v - 8, (batch, prompt + 8), device="cuda")
     rec.phase = "prefill"
-    model(ids[:, :prompt], 0)
+    model.prefill(ids[:, :prompt])
     rec.phase = "decode"
-    generation.decode_step(model, ids[:, prompt:prompt + 1], prompt)
+    generation.decode_step(model, ids[:, prompt:prompt + 1], prompt, temperature=0.0)
     rec.phase = "decode, sampled"       # decode_step's call, at a temperature of its own
-    model(ids[:, prompt + 1:prompt + 2], prompt + 1, temperature=1.0)
+    generation.decode_step(model, ids[:, prompt + 1:prompt + 2], prompt + 1, temperature=1.0)
     rec.phase = "extend"
-    model(ids[:, prompt + 2:prompt + 6], prompt + 2, all_logits=True, temperature=0.0)
+    model.verify(ids[:, prompt + 2:prompt + 6], prompt + 2)
     rec.phase = "rollback"
     model.rollback(prompt + 3)
     rec.phase = "prefill in chunks"
@@ -201,9 +201,9 @@ def test_engram_tables_off_the_device(where, tokenizers, monkeypatch):
             assert table.weight.device.type == "cpu"
         rec.syncs.clear()
         ids = torch.randint(4, 1000, (2, 30), device="cuda")
-        model(ids[:, :24], 0)
+        model.prefill(ids[:, :24])
         rec.phase = "decode"
-        model(ids[:, 24:25], 24)
+        model.decode(ids[:, 24:25], 24)
     looked_up = "inference/engram.py:ParallelEngramEmbedding.forward"
     assert rec.syncs["decode"] == {("boolean-mask index", looked_up), ("copy to the host", looked_up)}
 
@@ -217,9 +217,9 @@ def test_a_decode_step_runs_the_same_ops_at_every_batch_size(tokenizers, monkeyp
         model = build(fixture_shaped(), tokenizers["fixture"])
         for batch in (1, 2, 3):
             ids = torch.randint(4, 1000, (batch, 30), device="cuda")
-            model(ids[:, :24], 0)
+            model.prefill(ids[:, :24])
             rec.phase = f"decode at batch {batch}"
-            model(ids[:, 24:25], 24)
+            model.decode(ids[:, 24:25], 24)
             counts.append(rec.ops[rec.phase])
     print("fast decode step ops on CUDA at batch 1, 2, 3:", counts)
     assert counts[0] == counts[1] and counts[2] > 0
@@ -293,11 +293,11 @@ def test_the_tilelang_route_passes_its_wrappers_checks(shape, world, tokenizers,
         ids = torch.randint(4, 1000, (2, 30), device="cuda")
         rec.syncs.clear()
         rec.phase = "prefill"
-        model(ids[:, :24], 0)
+        model.prefill(ids[:, :24])
         rec.phase = "decode"
-        model(ids[:, 24:25], 24)
+        model.decode(ids[:, 24:25], 24)
         rec.phase = "extend"
-        model(ids[:, 25:28], 25, all_logits=True)
+        model.verify(ids[:, 25:28], 25)
     assert rec.syncs["prefill"] == LOOPED      # the experts loop over their active ones (each GEMM a kernel)
     assert not rec.syncs["decode"] and not rec.syncs["extend"]      # fixed-shape experts, as the fast order
     heads = {args[0] for _, name, args, _, _ in calls if name == "index_scores"}
@@ -346,12 +346,12 @@ def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers
     with fake_cuda(monkeypatch) as rec:
         model = build(fixture_shaped(), tokenizers["fixture"], deterministic_topk=True)
         ids = torch.randint(4, 1000, (2, 30), device="cuda")
-        model(ids[:, :24], 0)
+        model.prefill(ids[:, :24])
         rec.syncs.clear()
         for p in (40, 42, 41, 43):
             rec.phase = f"graphed step at {p}"
             step = DecodeStep(torch.tensor(p, device="cuda"), p % 2, bucket(p, 96, minimum=32))
-            model(ids[:, 24:25], step=step)
+            model.decode(ids[:, 24:25], step)
             counts[p] = rec.ops[rec.phase]
     assert not any(rec.syncs[f"graphed step at {p}"] for p in counts)
     assert counts[40] == counts[42] and counts[41] == counts[43], counts
@@ -407,9 +407,9 @@ def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
         rec.syncs.clear()
         ids = torch.randint(4, 1000, (2, 30), device="cuda")
         rec.phase = "prefill"
-        model(ids[:, :24], 0)
+        model.prefill(ids[:, :24])
         rec.phase = "decode"
-        model(ids[:, 24:25], 24)
+        model.decode(ids[:, 24:25], 24)
     print(json.dumps({k: sorted(v) for k, v in rec.syncs.items()}, indent=1))
     assert rec.syncs["decode"] == HOST_EXPERTS and rec.syncs["prefill"] == HOST_EXPERTS
 

@@ -30,24 +30,32 @@ TIMEOUT = 180   # seconds per subprocess: an error that hangs a rank fails the t
 # ---------------------------------------------------------------------------------------------------------
 
 class ScriptedModel(torch.nn.Module):
-    """Returns next id = 100 + position for every row, except `eos_at` {row: position}; records calls."""
+    """Its logits pick next id = 100 + position for every row (greedy), except `eos_at` {row: position};
+    records calls (start position, ids, images, token types)."""
 
     def __init__(self, max_seq_len=64, eos_at=None):
         super().__init__()
-        self.args = type("Args", (), {"max_seq_len": max_seq_len})()
+        self.args = type("Args", (), {"max_seq_len": max_seq_len, "temperature": 0.0})()
+        self.nx = None                                    # greedy: the engine's argmax needs no numerics
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.eos_at, self.calls = eos_at or {}, []
 
-    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None,
-                temperature=None):
+    def prefill(self, ids, start=0, images=None, token_types=None, all_logits=False):
         types = None if token_types is None else token_types.tolist()
+        return self._call(ids, start, images, types)
+
+    def decode(self, ids, pos):
+        return self._call(ids, pos, None, None)
+
+    def _call(self, ids, start_pos, images, types):
+        from inference.model import Output
         self.calls.append((start_pos, ids.tolist(), images, types))
         pos = start_pos + ids.shape[1]   # the position being predicted
         nxt = torch.full((ids.shape[0],), 100 + pos, dtype=torch.long)
         for row, p in self.eos_at.items():
             if p == pos:
                 nxt[row] = 1
-        return nxt, torch.zeros(ids.shape[0], 8), None
+        return Output(torch.nn.functional.one_hot(nxt, 256).float(), None)
 
 
 def test_generate_loop_right_padding_teacher_forcing_and_eos():

@@ -54,10 +54,10 @@ def test_prefill_in_one_call_and_in_chunks(model, seq, chunk):
     in one call before and one after."""
     ids = torch.tensor([seq])
     model.reset()
-    whole = model(ids, 0, all_logits=True)[1]                         # [1, L, V]
+    whole = model.prefill(ids, all_logits=True).logits               # [1, L, V]
     model.reset()
     bounds = [0, *range(56, 72), LEN] if chunk == 1 else [*range(0, LEN, chunk), LEN]
-    parts = [model(ids[:, a:b], a, all_logits=True, prefill=True)[1] for a, b in zip(bounds, bounds[1:])]
+    parts = [model.prefill(ids[:, a:b], a, all_logits=True).logits for a, b in zip(bounds, bounds[1:])]
     assert torch.equal(torch.cat(parts, dim=1), whole)
 
 

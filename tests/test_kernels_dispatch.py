@@ -36,7 +36,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def random_linear(kind: str, n: int, k: int, gen: torch.Generator, opts=EXACT) -> Linear:
     """A Linear of `kind` with random stored weights and scales around 2^-4, in a model of numerics `opts`."""
     from inference.state import ModelContext
-    ctx = ModelContext(ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_seq_len=8), opts=opts)
+    ctx = ModelContext.build(ModelArgs.from_file(os.path.join(FIXTURE, "config.json"), max_seq_len=8),
+                             opts=opts)
     lin = Linear(k, n, kind, ctx)
     with torch.no_grad():
         if kind == "fp8":
@@ -274,7 +275,7 @@ def exact_arithmetic_moe(par: ParallelContext, opts: RuntimeOptions):
     from inference.moe import MoE
     from inference.state import ModelContext
     args = ModelArgs.from_file(os.path.join(FIXTURE, "config.json"))
-    moe = MoE(ModelContext(args, par, opts), args.n_routed_experts, args.n_activated_experts,
+    moe = MoE(ModelContext.build(args, par, opts), args.n_routed_experts, args.n_activated_experts,
               with_bias_vl=False)
     gen = torch.Generator().manual_seed(6)
     with torch.no_grad():
@@ -353,7 +354,7 @@ def test_fast_moe_equals_the_expert_loop(par):
     gen = torch.Generator().manual_seed(7)
     for shape in ((3, 1), (1, 5), (1, 40)):                          # decode batch, draft block, prefill
         x = torch.randint(-8, 9, (*shape, exact_moe.ctx.args.dim), generator=gen).bfloat16()
-        call = ForwardCall.make(0, shape[1], True, exact_moe.ctx.args, False, "cpu")   # (not a VERIFY)
+        call = ForwardCall.prefill(0, shape[1], exact_moe.ctx.args, "cpu")       # (not a VERIFY)
         with torch.inference_mode():
             exact, got = exact_moe(x, call), fast_moe(x, call)
             loop = plain_expert_loop(exact_moe, x.view(-1, x.shape[-1]), par).to(x.dtype).view(x.shape)
@@ -426,11 +427,11 @@ def random_model(opts, **sizes):
 def decode_op_count(model, batch: int) -> int:
     ids = torch.randint(3, model.args.vocab_size, (batch, 41), generator=torch.Generator().manual_seed(9))
     model.reset()
-    model(ids[:, :40], 0)
-    model(ids[:, 40:41], 40)                                         # warm: CPU dequantization caches
-    model(ids[:, :40], 0)
+    model.prefill(ids[:, :40])
+    model.decode(ids[:, 40:41], 40)                                  # warm: CPU dequantization caches
+    model.prefill(ids[:, :40])
     with OpCount() as count:
-        model(ids[:, 40:41], 40)
+        model.decode(ids[:, 40:41], 40)
     return count.n
 
 

@@ -324,8 +324,8 @@ def test_the_context_is_frozen_after_construction():
     import dataclasses
     from inference.config import ModelArgs
     from inference.state import ModelContext
-    ctx = ModelContext(ModelArgs.from_file(os.path.join(ROOT, "tests", "fixtures", "reference-tiny",
-                                                        "config.json"), max_seq_len=8))
+    ctx = ModelContext.build(ModelArgs.from_file(os.path.join(ROOT, "tests", "fixtures", "reference-tiny",
+                                                              "config.json"), max_seq_len=8))
     for name, value in (("step", None), ("prefilling", True), ("numerics", None)):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(ctx, name, value)

@@ -80,7 +80,7 @@ def run(model, ids, prompt, chunk, all_logits=False):
     model.reset()
     with torch.inference_mode():
         _, logits, _ = prefill(model, ids[:, :prompt], all_logits=all_logits, chunk=chunk)
-        steps = [model(ids[:, p:p + 1], p)[1] for p in range(prompt, ids.shape[1])]
+        steps = [model.decode(ids[:, p:p + 1], p).logits for p in range(prompt, ids.shape[1])]
     return logits, torch.stack(steps)
 
 
@@ -113,7 +113,7 @@ def test_16k_prompt_in_chunks_then_decoding_past_the_stale_key_position(ckpt, on
     ids = ckpt["ids"]
     ratio2 = model.layers[1].attn.indexer
     fresh = []           # per call of the ratio-2 key owner's indexer: did it score against its own keys?
-    hook = ratio2.register_forward_hook(lambda *_: fresh.append(model.ctx.shared.index_k is ratio2.k_cache))
+    hook = ratio2.register_forward_hook(lambda *_: fresh.append(model.published.cache is ratio2.k_cache))
     whole, decoded = run(model, ids, PROMPT, None)
     hook.remove()
     # the prefill publishes its keys; decode steps at even positions (no group completed) read the stale
@@ -141,12 +141,12 @@ def test_invariant_chunks_give_the_bits_of_one_call(ckpt, one_thread):
     bounds = [*range(0, 301, 7), 301, *range(1020, 1032), SHORT]
     model.reset()
     with torch.inference_mode():
-        parts = [model(ids[:, a:b], a, all_logits=True, prefill=True)[1] for a, b in zip(bounds, bounds[1:])]
-        steps = torch.stack([model(ids[:, p:p + 1], p)[1] for p in range(SHORT, SHORT + 2)])
+        parts = [model.prefill(ids[:, a:b], a, all_logits=True).logits for a, b in zip(bounds, bounds[1:])]
+        steps = torch.stack([model.decode(ids[:, p:p + 1], p).logits for p in range(SHORT, SHORT + 2)])
     assert torch.equal(torch.cat(parts, dim=1), whole) and torch.equal(steps, decoded)
     # ... whereas decode steps there read the stale keys: the check can tell the two apart
     model.reset()
     with torch.inference_mode():
-        model(ids[:, :1020], 0)
-        stale = torch.stack([model(ids[:, p:p + 1], p)[1] for p in range(1020, 1031)])
+        model.prefill(ids[:, :1020])
+        stale = torch.stack([model.decode(ids[:, p:p + 1], p).logits for p in range(1020, 1031)])
     assert not torch.equal(stale[:, 0], whole[0, 1020:1031])

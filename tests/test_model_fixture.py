@@ -6,6 +6,7 @@ import torch
 
 from conftest import fixture_model, fixture_tensors
 from inference.hyper import hc_pre
+from inference.state import ForwardCall, Handoff
 
 STEPS = 21
 
@@ -43,7 +44,9 @@ def test_layer_isolated(fx):
                                                        r("engram_out")[0]),
                                   rel(model.layers[1].engram(r("block_out")[0], hashes[:, :, 1]),
                                       r("engram_out")[1]))
-            call = model.describe(pos, ids.shape[1])
+            call = (ForwardCall.prefill(0, ids.shape[1], model.args, "cpu") if pos == 0
+                    else ForwardCall.decode(pos, model.args, "cpu"))
+            handoff = Handoff(published_at_start=model.published.cache)
             for layer in range(8):
                 x = r("engram_out")[layer] if layer < 2 else r("block_out")[layer - 1]
                 if layer == 0:
@@ -51,16 +54,15 @@ def test_layer_isolated(fx):
                     pre[..., 0] = 1
                 else:
                     pre = r("block_pre_mix")[layer - 1]
-                out, pre_next = model.layers[layer](x, call, pre)
+                out, pre_next, handoff = model.layers[layer](x, call, pre, None, handoff)
                 worst["block_out"] = max(worst["block_out"], rel(out, r("block_out")[layer]))
                 worst["pre_mix"] = max(worst["pre_mix"],
                                        (pre_next - r("block_pre_mix")[layer]).abs().max().item())
                 if layer in (1, 3, 5, 7):
-                    assert torch.equal(call.offset_rows(call.exchange.topk_idxs),
-                                       r(f"indexer_idxs.layer{layer}")), \
+                    assert torch.equal(call.offset_rows(handoff.topk), r(f"indexer_idxs.layer{layer}")), \
                         f"step {k} layer {layer}: indexer selection"
                 if layer == 3:
-                    assert torch.equal(call.exchange.candidates, r("candidates").bool()), \
+                    assert torch.equal(handoff.candidates, r("candidates").bool()), \
                         f"step {k}: candidates"
             normed = model.norm(hc_pre(r("block_out")[7], r("block_pre_mix")[7], model.nx))
             worst["final_norm"] = max(worst["final_norm"], rel(normed, r("final_norm")))
@@ -82,10 +84,10 @@ def run_teacher_forced(model, ref, dspark=True):
     logits, drafts = [], []
     for k in range(STEPS):
         ids, pos = step_inputs(ref, k)
-        _, out, main_hidden = model(ids, pos)
+        out, main_hidden = model.prefill(ids) if pos == 0 else model.decode(ids, pos)
         logits.append(out)
         if dspark:
-            res = model.mtp.forward_spec(ref["generated_ids"][:, k], main_hidden, pos)
+            res = model.mtp.draft(ref["generated_ids"][:, k], main_hidden, pos)
             if k > 0:
                 drafts.append(res)
     return torch.stack(logits), drafts
@@ -117,10 +119,10 @@ def test_reset_changes_nothing(fx):
     model, ref, _ = fx
     ids, _ = step_inputs(ref, 0)
     model.reset()
-    _, a, _ = model(ids[:, :50], 0)
-    _, b, _ = model(ids, 0)          # a longer prefill over stale state
+    model.prefill(ids[:, :50])
+    b = model.prefill(ids).logits    # a longer prefill over stale state
     model.reset()
-    _, c, _ = model(ids, 0)
+    c = model.prefill(ids).logits
     assert torch.equal(b, c)
 
 
@@ -138,10 +140,9 @@ def test_batch_of_two_right_padded(fx):
         """Logits predicting positions short..total-1, keyed by the position of the last input token."""
         model.reset()
         short = min(lens[i] for i in rows)
-        _, out, _ = model(batch[rows, :short], 0)
-        outs = {short - 1: out}
+        outs = {short - 1: model.prefill(batch[rows, :short]).logits}
         for pos in range(short, total - 1):
-            _, outs[pos], _ = model(batch[rows, pos:pos + 1], pos)
+            outs[pos] = model.decode(batch[rows, pos:pos + 1], pos).logits
         return outs
 
     both = run([0, 1])

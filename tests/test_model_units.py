@@ -53,7 +53,7 @@ def test_meta_build_tensor_count(released_w1):
 def test_block_builds_alone():
     """A single block needs only a ModelContext: no globals, no Transformer."""
     args = ModelArgs()
-    ctx = ModelContext(args)
+    ctx = ModelContext.build(args)
     block = Block(1, ctx)
     names = {n for n, _ in block.named_parameters()}
     assert "attn.compressor.wgate.weight" in names and "attn.indexer.wk.weight" in names

@@ -126,10 +126,14 @@ def test_prefill_in_one_call_is_the_default_engine_path():
     calls = []
 
     class Recorder:
-        def __call__(self, ids, start_pos, **kw):
-            calls.append((ids.shape[1], start_pos, kw["prefill"]))
-            return torch.zeros(1), torch.zeros(1, 5), None
+        args = type("Args", (), {"temperature": 0.0})()
+        nx = None                                          # greedy: the engine's argmax needs no numerics
+
+        def prefill(self, ids, start=0, **kw):
+            from inference.model import Output
+            calls.append((ids.shape[1], start))
+            return Output(torch.zeros(1, 5), None)
 
     prefill(Recorder(), torch.zeros(1, 9, dtype=torch.long))
     prefill(Recorder(), torch.zeros(1, 9, dtype=torch.long), chunk=4)
-    assert calls == [(9, 0, True), (4, 0, True), (4, 4, True), (1, 8, True)]
+    assert calls == [(9, 0), (4, 0), (4, 4), (1, 8)]

@@ -117,20 +117,32 @@ def test_rejection_sampling_reproduces_the_target_distribution():
 
 class ToyModel(torch.nn.Module):
     """A stateless stand-in for the Transformer and its DSpark head: the main model's next-token law is the
-    bigram table P, the drafts are chained draws from the bigram table Q."""
+    bigram table P (its logits, which the loop samples), the drafts are chained draws from the bigram table
+    Q."""
 
     def __init__(self, p, q, blk=5, max_len=64):
         super().__init__()
+        from inference import kernels
+        from inference.config import RuntimeOptions
         self.args = SimpleNamespace(dspark_block_size=blk, max_seq_len=max_len, temperature=1.0)
+        self.nx = kernels.numerics_for(RuntimeOptions(), "cpu")   # the loop samples with the model's numerics
         self.lp, self.lq = p.float().log(), q.float().log()
         self.anchor = torch.nn.Parameter(torch.zeros(1))       # the loop reads the device from here
         self.mtp = self
 
-    def forward(self, ids, start_pos, images=None, token_types=None, all_logits=False, prefill=None,
-                temperature=None):
+    def _output(self, ids, all_logits=False):
+        from inference.model import Output
         logits = self.lp[ids]                                                   # [B, S, V]
-        nxt = torch.multinomial(logits[:, -1].exp(), 1).view(-1)
-        return nxt, (logits if all_logits else logits[:, -1]), ids.float().unsqueeze(-1)
+        return Output(logits if all_logits else logits[:, -1], ids.float().unsqueeze(-1))
+
+    def prefill(self, ids, start=0, images=None, token_types=None, all_logits=False):
+        return self._output(ids, all_logits)
+
+    def decode(self, ids, pos):
+        return self._output(ids)
+
+    def verify(self, ids, start, all_logits=True):
+        return self._output(ids, all_logits)
 
     def rollback(self, keep_until):
         pass
@@ -138,7 +150,7 @@ class ToyModel(torch.nn.Module):
     def seed(self, hidden, start_pos):
         pass
 
-    def forward_spec(self, x, hidden, start_pos, temperature=None):
+    def draft(self, x, hidden, start_pos, temperature=None):
         if start_pos == 0:
             return None
         blk = self.args.dspark_block_size
@@ -182,21 +194,25 @@ def test_batch_rows_in_step_keep_the_target_distribution(verify, monkeypatch):
     assert chi2_pvalue(c[0], joints[0].flatten()) < 1e-3
 
 
-def test_the_temperature_travels_with_the_calls():
-    """A greedy run on a model whose config samples at 1.0: every forward and draft call is given 0.0, and
-    the config is left as it was."""
+def test_the_temperature_travels_with_the_calls(monkeypatch):
+    """A greedy run on a model whose config samples at 1.0: every sampling of the main model's logits and
+    every draft call is at 0.0, and the config is left as it was."""
+    from inference.engine import prefill
+    temps = []
+
+    def recorded(sample):
+        def at(logits, temperature, nx, *a, **k):
+            temps.append(temperature)
+            return sample(logits, temperature, nx, *a, **k)
+        return at
+
+    for module in (speculative, prefill):
+        monkeypatch.setattr(module, "sample", recorded(module.sample))
+
     class Recording(ToyModel):
-        def __init__(self, *a):
-            super().__init__(*a)
-            self.temps = []
-
-        def forward(self, *a, temperature=None, **kw):
-            self.temps.append(temperature)
-            return super().forward(*a, **kw)
-
-        def forward_spec(self, *a, temperature=None):
-            self.temps.append(temperature)
-            return super().forward_spec(*a)
+        def draft(self, *a, temperature=None):
+            temps.append(temperature)
+            return super().draft(*a)
 
     gen = torch.Generator().manual_seed(3)
     model = Recording(*toy_bigram(gen, 6))
@@ -204,7 +220,7 @@ def test_the_temperature_travels_with_the_calls():
     for verify in ("chunked", "sequential"):
         speculative_generate_batch(model, [[0, 3], [1, 5]], 8, -1, 0.0, 3, verify)
     assert vars(model.args) == before and model.args.temperature == 1.0
-    assert len(model.temps) > 4 and set(model.temps) == {0.0}
+    assert len(temps) > 4 and set(temps) == {0.0}
 
 
 def test_greedy_rule():
@@ -601,7 +617,7 @@ def test_dspark_layer_isolated_matches_reference_fixture():
     for k in range(21):
         streams = inter[f"step{k:02d}.block_out"]
         hidden = torch.cat([streams[t - 1].mean(dim=2) for t in model.args.dspark_target_layer_ids], dim=-1)
-        out = model.mtp.forward_spec(ref["generated_ids"][:, k], hidden, 0 if k == 0 else 300 + k)
+        out = model.mtp.draft(ref["generated_ids"][:, k], hidden, 0 if k == 0 else 300 + k)
         assert (out is None) == (k == 0)
         if out is not None:
             res.append(out)

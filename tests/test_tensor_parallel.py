@@ -67,9 +67,9 @@ def _worker(rank, port, ckpt, result_path):
         logits, drafts = [], []
         for k in range(21):
             ids, pos = (ref["prompt_ids"], 0) if k == 0 else (ref["generated_ids"][:, k - 1:k], 300 + k)
-            _, out, hidden = model(ids, pos)
+            out, hidden = model.prefill(ids) if pos == 0 else model.decode(ids, pos)
             logits.append(out)
-            res = model.mtp.forward_spec(ref["generated_ids"][:, k], hidden, pos)
+            res = model.mtp.draft(ref["generated_ids"][:, k], hidden, pos)
             if res is not None:
                 drafts.append(res[1])
         if rank == 0:

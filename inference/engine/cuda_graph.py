@@ -27,6 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..sampling import sample
 from ..state import DecodeStep
 from .errors import InputError
 
@@ -108,6 +109,11 @@ class GraphedDecode:
         graph.replay()
         return out[0].clone(), out[1].clone()
 
+    def _step(self, ids: torch.Tensor, step: DecodeStep):
+        """The step a graph holds: the model's decode at the tensor position, then the sampling."""
+        logits = self.model.decode(ids, step).logits
+        return sample(logits, self.model.args.temperature, self.model.nx), logits
+
     def _capture(self, key, ids: torch.Tensor, pos: int):
         start = time.perf_counter()
         batch, length, parity = key
@@ -117,12 +123,12 @@ class GraphedDecode:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):                    # the step itself, eagerly: its result is returned
-            next_ids, logits, _ = self.model(static_ids, step=step)
+            next_ids, logits = self._step(static_ids, step)
             result = next_ids.clone(), logits.clone()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):   # recorded, not run
-            next_ids, logits, _ = self.model(static_ids, step=step)
+            next_ids, logits = self._step(static_ids, step)
         self.graphs[key] = (graph, static_ids, static_pos, (next_ids, logits))
         self.captured += 1
         self.capture_s += time.perf_counter() - start

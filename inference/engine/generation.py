@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from ..sampling import sample
 from .batch import prompt_buffer, read_completions
 from .errors import InputError
 from .prefill import prefill
@@ -47,10 +48,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def decode_step(model, ids: torch.Tensor, pos: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def next_ids_of(model, logits: torch.Tensor, temperature: Optional[float] = None) -> torch.Tensor:
+    """The ids sampled from logits [..., V] fp32 at `temperature` (None: the config's; 0 = argmax), with the
+    model's numerics (the softmax and the Exp(1) noise depend on the order)."""
+    return sample(logits, model.args.temperature if temperature is None else temperature, model.nx)
+
+
+def decode_step(model, ids: torch.Tensor, pos: int,
+                temperature: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """ids [B, 1] at position pos -> (sampled next ids [B], logits [B, V])."""
-    next_ids, logits, _ = model(ids, pos)
-    return next_ids, logits
+    logits = model.decode(ids, pos).logits
+    return next_ids_of(model, logits, temperature), logits
 
 
 def _timed(stats: Stats, phase: str, n_tokens: int, device: torch.device, fn: Callable, *args, **kw):

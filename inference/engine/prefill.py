@@ -11,6 +11,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..sampling import sample
 from .errors import InputError
 from .memory import MemoryPlan, capacity_of
 
@@ -60,11 +61,13 @@ def prefill(model, ids: torch.Tensor, token_types: Optional[torch.Tensor] = None
     spans = image_spans(images) if chunk is not None else ()
     for start, end in chunk_bounds(ids.shape[1], chunk, spans):
         types = None if token_types is None else token_types[:, start:end]
-        next_ids, logits, hidden = model(ids[:, start:end], start, images=images, token_types=types,
-                                         all_logits=all_logits, prefill=True, temperature=temperature)
+        logits, hidden = model.prefill(ids[:, start:end], start, images=images, token_types=types,
+                                       all_logits=all_logits)
         if on_chunk is not None:
             on_chunk(hidden, start)
         parts.append(logits)
+    t = model.args.temperature if temperature is None else temperature
+    next_ids = sample(logits[:, -1] if all_logits else logits, t, model.nx)     # the engine samples
     return next_ids, torch.cat(parts, dim=1) if all_logits else logits, hidden
 
 

@@ -9,7 +9,7 @@ import torch
 from .batch import prompt_buffer
 from .checkpoint import save_atomically
 from .errors import InputError
-from .generation import Stats, _timed
+from .generation import Stats, _timed, next_ids_of
 from .prefill import prefill
 from .prompts import check_prompt_lengths
 
@@ -25,7 +25,7 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
     images / token_types (as generate()): per row, its [ImageInput] and token types (TEXT = -1 for rows
     without images); they go to the prefill only, so every image span must end within [0, P).
 
-    dspark: after every forward, DSpark's forward_spec with the next teacher token (the forward's own sampled
+    dspark: after every forward, DSpark's draft with the next teacher token (the forward's own sampled
     token where the row has none) and that forward's main_hidden, at its start_pos
     (tests/fixtures/reference-tiny/README.md §5): forward 0 seeds the rings; forward k gives dspark_*[k-1]
     (NaN / -1 where logits[k, b] is NaN)."""
@@ -58,7 +58,7 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
             return
         nxt = fed[:, min(pos + 1, total - 1)]
         nxt = torch.where(pos + 1 < lens_t, nxt, next_ids)
-        res = model.mtp.forward_spec(nxt, hidden, start_pos)
+        res = model.mtp.draft(nxt, hidden, start_pos)
         if res is not None:
             drafts.append([t.cpu() for t in res])
 
@@ -71,8 +71,12 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
         out["prefill_logits"] = logits.float().cpu().contiguous()
         logits = logits[:, -1]
     steps = [logits.float().cpu()]
+    def decode(ids: torch.Tensor, pos: int):
+        logits, hidden = model.decode(ids, pos)
+        return next_ids_of(model, logits), logits, hidden
+
     for pos in range(prefill_len, total):
-        next_ids, logits, hidden = _timed(stats, "decode", bsz, device, model, fed[:, pos:pos + 1], pos)
+        next_ids, logits, hidden = _timed(stats, "decode", bsz, device, decode, fed[:, pos:pos + 1], pos)
         steps.append(logits.float().cpu())
         draft(next_ids, hidden, pos, pos)
     step_logits = torch.stack(steps)                                    # [L - P + 1, B, V]
@@ -95,36 +99,75 @@ def score(model, seqs: List[List[int]], prefill_len: int, all_prefill_logits: bo
 # Block capture along the scoring protocol
 # ---------------------------------------------------------------------------------------------------------
 
-PER_LAYER = ("engram_out", "block_out", "block_pre_mix")   # one tensor per layer, stacked on a new dim 0
-
-
-class CaptureRecorder:
-    """Stands in for a Transformer: each call runs the model with `capture` and keeps that forward's tensors
-    on the CPU, one step per call. Everything else (args, mtp, parameters) is the model's."""
+class BlockCapture:
+    """While its `with` block runs, records every call of the model (a step: prefill or decode) through
+    forward hooks on the model's own modules: the Engram hashes (the hasher), each Engram layer's output,
+    each block's output streams and FFN-site pre mix, the index sources' selections and the candidate blocks
+    (what each block hands on), the final norm. Rank 0 records (every rank holds the same streams); the
+    tensors go to the CPU as they come."""
 
     def __init__(self, model):
         self.model = model
         self.steps: List[Dict[str, torch.Tensor]] = []
+        self.handles = []
+        self.pending: Dict[str, torch.Tensor] = {}      # a call's ids and hashes, until its first block
 
-    def __getattr__(self, name):
-        if name == "model":    # not yet set (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.model, name)
+    def __enter__(self) -> "BlockCapture":
+        m = self.model
+        if m.ctx.par.rank != 0:
+            return self
+        hook = lambda module, fn: self.handles.append(module.register_forward_hook(fn))   # noqa: E731
+        # (the embedding also runs for DSpark's drafts: a step begins at the first block)
+        hook(m.embed, lambda mod, inp, out: self.pending.update(input_ids=inp[0].to("cpu", copy=True)))
+        if m.engram_hasher is not None:
+            hook(m.engram_hasher, lambda mod, inp, out: self.pending.update(engram_hashes=out.to("cpu",
+                                                                                                copy=True)))
 
-    def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, **kwargs):
-        if self.model.ctx.par.rank != 0:     # every rank holds the same streams; rank 0 writes them
-            return self.model(input_ids, start_pos, **kwargs)
-        capture: Dict[str, List[torch.Tensor]] = {}
-        out = self.model(input_ids, start_pos, capture=capture, **kwargs)
-        step = {"input_ids": input_ids, "start_pos": torch.tensor([start_pos])}
-        for name, ts in capture.items():
-            t = torch.stack(ts) if name in PER_LAYER else ts[0]
-            step[name] = t.to(torch.uint8) if t.dtype == torch.bool else t    # U8 masks, as in the fixture
-        self.steps.append({k: t.to("cpu", copy=True).contiguous() for k, t in step.items()})
-        return out
+        for i, layer in enumerate(m.layers):
+            if layer.engram is not None:
+                hook(layer.engram, lambda mod, inp, out: self._add("engram_out", out))
+            hook(layer, lambda mod, inp, out, i=i: self._block(i, inp[1], out))
+        hook(m.norm, lambda mod, inp, out: self._put("final_norm", out))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _step(self) -> Dict[str, torch.Tensor]:
+        """The current step: a new one when a call's ids are pending (its first layer is running)."""
+        if self.pending:
+            self.steps.append(self.pending)
+            self.pending = {}
+        return self.steps[-1]
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        t = t.to(torch.uint8) if t.dtype == torch.bool else t         # U8 masks, as in the fixture
+        self._step()[name] = t.to("cpu", copy=True).contiguous()
+
+    def _add(self, name: str, t: torch.Tensor) -> None:
+        self._step().setdefault(name, []).append(t.to("cpu", copy=True))
+
+    def _block(self, i: int, call, out) -> None:
+        x, pre, handoff = out
+        a = self.model.args
+        if i == 0:
+            self._put("start_pos", torch.tensor([call.start]))
+        self._add("block_out", x)
+        self._add("block_pre_mix", pre)
+        if i in a.index_source_layers:
+            self._put(f"indexer_idxs.layer{i}", call.offset_rows(handoff.topk))
+        if i == a.candidate_source_layer and handoff.candidates is not None:
+            self._put("candidates", handoff.candidates)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
-        return {f"step{k:02d}.{name}": t for k, step in enumerate(self.steps) for name, t in step.items()}
+        """{stepKK.name: tensor}, the per-layer lists stacked on a new dim 0."""
+        out = {}
+        for k, step in enumerate(self.steps):
+            for name, t in step.items():
+                out[f"step{k:02d}.{name}"] = torch.stack(t).contiguous() if isinstance(t, list) else t
+        return out
 
     def metadata(self) -> Dict[str, str]:
         a, opts = self.model.args, self.model.ctx.opts
@@ -143,8 +186,8 @@ def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_p
     Returns what score() returns, the --dump-logits tensors. score_fn defaults to score(); score_kw
     are its other arguments (all_prefill_logits, stats, ...)."""
     score_fn = score if score_fn is None else score_fn
-    recorder = CaptureRecorder(model)
-    out = score_fn(recorder, seqs, prefill_len, **score_kw)
+    with BlockCapture(model) as recorder:
+        out = score_fn(model, seqs, prefill_len, **score_kw)
     if model.ctx.par.rank == 0:
         save_atomically(recorder.tensors(), capture_path,
                         dict(recorder.metadata(), prefill_len=str(prefill_len)))

@@ -1,6 +1,6 @@
 """Speculative decoding with the DSpark draft head (docs/architecture.md §11.5), for a batch of prompts.
 
-Each step drafts a block with `model.mtp.forward_spec`, lets the main model verify the first k drafts, keeps
+Each step drafts a block with `model.mtp.draft`, lets the main model verify the first k drafts, keeps
 the longest valid prefix plus one token of the main model's own, and forgets what the rejected drafts
 wrote (`model.rollback`).
 
@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..sampling import sample
 from .batch import prompt_buffer, read_completions
 from .prefill import prefill
 
@@ -243,14 +244,15 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         # next draft block (c'+1..c'+blk, c' <= c+1+kk) below max_seq_len.
         kk = min(k, total_len - 3 - c, max_len - 2 - blk - c)
         if pending is None or kk < 1 or c + 2 < longest:       # plain decode step
-            y, _, h = model(tokens[:, c + 1:c + 2], c + 1, temperature=t)
+            logits, h = model.decode(tokens[:, c + 1:c + 2], c + 1)
+            y = sample(logits, t, model.nx)
             stats.plain_steps += 1
             pending, p0 = (h, c + 1) if pending is None else (torch.cat([pending, h], dim=1), p0)
             c += 1
             commit(c + 1, y)
             continue
 
-        ids, dlogits, conf = model.mtp.forward_spec(tokens[:, c + 1], pending, p0, temperature=t)
+        ids, dlogits, conf = model.mtp.draft(tokens[:, c + 1], pending, p0, temperature=t)
         drafts = ids[:, 1:1 + kk]                                               # [B, kk]
         n_row = [kk] * bsz                       # drafts verified per row
         if min_confidence is not None:          # verify only the leading confident drafts
@@ -268,7 +270,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         verdict = {}                             # row -> (accepted a_b, the token after them y_b)
 
         if verify == "chunked":                 # one extend call, then forget the rejected rows
-            _, logits, h = model(chain, c + 1, all_logits=True, temperature=t)  # [B, n+1, V]
+            logits, h = model.verify(chain, c + 1)                              # [B, n+1, V]
             for b in live:
                 nb = n_row[b]
                 verdict[b] = judge.block(logits[b, :nb + 1], drafts[b, :nb], None if q is None else q[b, :nb])
@@ -278,7 +280,7 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
         else:                                   # one decode step per token, stop at the first rejection
             rows = []
             for i in range(n + 1):
-                _, logits, h_i = model(chain[:, i:i + 1], c + 1 + i, temperature=t)   # [B, V]
+                logits, h_i = model.decode(chain[:, i:i + 1], c + 1 + i)              # [B, V]
                 rows.append(h_i)
                 for b in live:
                     if i == n_row[b]:

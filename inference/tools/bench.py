@@ -96,11 +96,11 @@ def bench_context(model, context: int, steps: int, gen: torch.Generator):
     model.reset()
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen)
     ids = ids.to(model.ctx.device)
-    _, t_prefill = timed(lambda: model(ids[:, :context], 0))
+    _, t_prefill = timed(lambda: model.prefill(ids[:, :context]))
     moved = engram_bytes_moved(model)
     times = []
     for i in range(steps):
-        _, t = timed(lambda: model(ids[:, context + i:context + i + 1], context + i))
+        _, t = timed(lambda: model.decode(ids[:, context + i:context + i + 1], context + i))
         times.append(t)
     moved = (engram_bytes_moved(model) - moved) / steps
     times = sorted(times)[:max(1, len(times) - len(times) // 4)]      # drop the slowest quarter (noise)
@@ -114,11 +114,11 @@ def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: i
     model.reset()
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps + 2), generator=gen)
     ids = ids.to(model.ctx.device)
-    model(ids[:, :context], 0)
-    model(ids[:, context:context + 1], context)                      # warm: what a step derives once
+    model.prefill(ids[:, :context])
+    model.decode(ids[:, context:context + 1], context)               # warm: what a step derives once
     with profile() as prof:
         for i in range(1, steps + 1):
-            model(ids[:, context + i:context + i + 1], context + i)
+            model.decode(ids[:, context + i:context + i + 1], context + i)
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
     names = [e for e in events[:top]] + [e for e in events[top:] if e.key == "aten::cat"]

@@ -135,7 +135,7 @@ def child(opts) -> None:
         if stream is not None:
             first = dataclasses.replace(stream.stats, per_block=[])
         t = time.perf_counter()
-        model(ids, 0)
+        model.prefill(ids)
         times.append(time.perf_counter() - t)
     out = {"load_s": load_s, "first_s": times[0], "prefill_s": times[-1], "tok_s": opts.tokens / times[-1],
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

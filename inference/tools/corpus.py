@@ -439,7 +439,7 @@ def score_batch(model, ids: torch.Tensor, g: Geometry, prefill_chunk: Optional[i
     nll: List[List[torch.Tensor]] = [[] for _ in range(bsz)]
     for start, end in chunk_bounds(g.n_ctx, prefill_chunk):
         need = end > first and start < last          # alike on every rank: the head gathers across ranks
-        _, logits, _ = model(ids[:, start:end], start, all_logits=need, prefill=True)   # [B, s, V]
+        logits = model.prefill(ids[:, start:end], start, all_logits=need).logits        # [B, s, V]
         if not (need and rank0):
             continue
         a, b = max(start, first), min(end, last)

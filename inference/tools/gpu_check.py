@@ -761,7 +761,7 @@ def phase_cudagraph(ctx: Ctx) -> bool:
         runs, times = [], []
         for graphed in (False, True):
             model.reset()
-            model(ids[:, :prompt], 0)
+            model.prefill(ids[:, :prompt])
             graphs = GraphedDecode(model) if graphed and not ctx.rehearse else None
             logits, ms = [], []
             for p in range(prompt, prompt + steps):
@@ -771,9 +771,9 @@ def phase_cudagraph(ctx: Ctx) -> bool:
                 elif graphed:                                 # the rehearsal: the captured step, eagerly
                     length = bucket(p, args.max_seq_len, minimum=32)
                     pos = torch.tensor(p, device=ctx.device)
-                    out = model(ids[:, p:p + 1], step=DecodeStep(pos, p % 2, length))[1]
+                    out = model.decode(ids[:, p:p + 1], DecodeStep(pos, p % 2, length)).logits
                 else:
-                    out = model(ids[:, p:p + 1], p)[1]
+                    out = model.decode(ids[:, p:p + 1], p).logits
                 if torch.cuda.is_initialized():
                     torch.cuda.synchronize()
                 ms.append(1e3 * (time.perf_counter() - t))

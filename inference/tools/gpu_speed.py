@@ -116,7 +116,7 @@ def count_launches(model, ids, pos: int) -> int:
         if model.nx.name == "tilelang":
             stack.enter_context(counting_tilelang(counter))
         stack.enter_context(counter)
-        model(ids, pos)
+        model.decode(ids, pos)
     return counter.total("decode")
 
 
@@ -134,7 +134,7 @@ def decode_speed(model, batch: int, context: int, steps: int, graphs: bool, gen,
         if graphed and not graphs and not rehearse:
             break
         model.reset()
-        model(ids[:, :context], 0)
+        model.prefill(ids[:, :context])
         runner = GraphedDecode(model) if graphed and not rehearse else None
         ms = []
         for i in range(steps):
@@ -144,9 +144,9 @@ def decode_speed(model, batch: int, context: int, steps: int, graphs: bool, gen,
                 ms.append(1e3 * _seconds(lambda: runner(step_ids, p), device))
             elif graphed:             # the rehearsal: the step a graph captures, run eagerly
                 at = DecodeStep(torch.tensor(p, device=device), p % 2, bucket(p, model.args.max_seq_len, 32))
-                ms.append(1e3 * _seconds(lambda: model(step_ids, step=at), device))
+                ms.append(1e3 * _seconds(lambda: model.decode(step_ids, at), device))
             else:
-                ms.append(1e3 * _seconds(lambda: model(step_ids, p), device))
+                ms.append(1e3 * _seconds(lambda: model.decode(step_ids, p), device))
         middle = sorted(ms)[len(ms) // 4: len(ms) - len(ms) // 4] or ms
         times[graphed] = sum(middle) / len(middle)
         if not graphed:
@@ -196,8 +196,8 @@ def phase_speed(ctx) -> bool:
             randomize(model)
             for tokens in prefills:
                 ids = torch.randint(4, 999, (1, tokens), generator=gen).to(device)
-                model(ids[:, :8], 0)                                       # warm-up
-                t = _seconds(lambda: model(ids, 0), device)
+                model.prefill(ids[:, :8])                                  # warm-up
+                t = _seconds(lambda: model.prefill(ids), device)
                 note(f"speed {layers} layers {backend:8s} prefill {tokens:5d} tokens: "
                      f"{tokens / t:9.0f} tok/s")
             for batch in batches:

@@ -362,12 +362,12 @@ def count_route(shape: str, route: str, batch: int, prompt: int, tokenizer=None)
         ids = ids.to("cuda" if cuda else "cpu")
         stack.enter_context(attribute(model, counter))
         if not cuda:
-            model(ids[:, :prompt], 0)                  # the CPU orders derive their weight layouts once
+            model.prefill(ids[:, :prompt])             # the CPU orders derive their weight layouts once
         stack.enter_context(counter)
         counter.phase = "prefill"
-        model(ids[:, :prompt], 0)
+        model.prefill(ids[:, :prompt])
         counter.phase = "decode"
-        model(ids[:, prompt:prompt + 1], prompt)
+        model.decode(ids[:, prompt:prompt + 1], prompt)
     out = {}
     for phase in ("decode", "prefill"):
         kinds, places = collections.Counter(), collections.Counter()
