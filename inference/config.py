@@ -204,6 +204,14 @@ ORDERS = ("auto", "exact", "fast", "invariant")
 # --numerics: words over the three axes of RuntimeOptions (rounding points: reference or golden; the
 # index-key fix; summation order), see docs/numerics.md §15.
 NUMERICS_WORDS = ("reference", "golden", "fixed", "exact", "fast", "invariant")
+KERNEL_BACKENDS = ("auto", "torch", "tilelang")
+# (field, the values it takes, what it is called in an error)
+_CHOICES = (("kernel_backend", KERNEL_BACKENDS, "kernel backend"),
+            ("kernel_build", KERNEL_BUILDS, "kernel build"),
+            ("order", ORDERS, "summation order"),
+            ("engram_on", ENGRAM_PLACEMENTS, "Engram placement"),
+            ("experts_on", EXPERT_PLACEMENTS, "expert placement"),
+            ("cpu_linears", CPU_LINEARS, "CPU Linear form"))
 
 
 @dataclass
@@ -238,11 +246,32 @@ class RuntimeOptions:
     # summation order; goes with experts_on host). docs/numerics.md states its distance.
     cpu_linears: str = "fp32"
 
+    def __post_init__(self):
+        """The one place RuntimeOptions are validated, whichever way they are made: every field's value and
+        the combinations that exclude each other (what depends on the device is kernels.check_device's)."""
+        for name, allowed, what in _CHOICES:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"unknown {what} {value!r} (expected one of {', '.join(allowed)})")
+        if self.kernel_backend == "tilelang" and self.order == "invariant":
+            raise ConfigError("--numerics invariant runs the torch kernels: drop --kernel-backend tilelang")
+        if self.kernel_backend == "tilelang" and self.golden:
+            raise ConfigError("--kernel-backend tilelang does not run golden numerics (fp32, no "
+                              "quantization): use --kernel-backend torch")
+        if self.experts_on == "host" and (self.golden or self.order == "invariant"):
+            raise ConfigError(f"--experts-on host sums the routed experts in the host kernel's order, with "
+                              f"the reference's rounding points: not with --numerics "
+                              f"{'golden' if self.golden else 'invariant'}")
+        if self.cpu_linears == "stored" and self.experts_on != "host":
+            raise ConfigError("--cpu-linears stored computes the other Linears as --experts-on host computes "
+                              "the routed experts, and goes with it")
+
     @classmethod
     def from_profile(cls, numerics: str = "reference", **kw) -> "RuntimeOptions":
         """`numerics`: words joined by commas, at most one per axis (docs/numerics.md §15):
         rounding points `reference` (default) or `golden`; `fixed` (the stale-index-key fix); summation
-        order `exact`, `fast` or `invariant` (default: exact on CPU, fast on CUDA). E.g. "fixed,invariant"."""
+        order `exact`, `fast` or `invariant` (default: exact on CPU, fast on CUDA). E.g. "fixed,invariant".
+        `kw`: the other fields."""
         words = [w.strip() for w in numerics.split(",") if w.strip()] or ["reference"]
         unknown = [w for w in words if w not in NUMERICS_WORDS]
         if unknown:
@@ -253,39 +282,14 @@ class RuntimeOptions:
         if len(rounding) > 1 or len(order) > 1:
             clash = rounding if len(rounding) > 1 else order
             raise ConfigError(f"--numerics {numerics}: {' and '.join(clash)} exclude each other")
-        opts = cls(**kw)
-        if opts.kernel_backend not in ("auto", "torch", "tilelang"):
-            raise ConfigError(f"unknown kernel backend {opts.kernel_backend!r} (expected auto, torch or "
-                              f"tilelang)")
         if order:
-            opts.order = order[0]
+            kw["order"] = order[0]
         # Which of several exactly tied top-k entries torch keeps depends on the tensor's shape: the invariant
         # order breaks ties by the lowest index, or chunking and batching would move its bits.
-        opts.deterministic_topk = opts.deterministic_topk or opts.order == "invariant"
-        if opts.order not in ORDERS:
-            raise ConfigError(f"unknown summation order {opts.order!r} (expected one of {', '.join(ORDERS)})")
-        if opts.kernel_build not in KERNEL_BUILDS:
-            raise ConfigError(f"unknown kernel build {opts.kernel_build!r} (expected one of "
-                              f"{', '.join(KERNEL_BUILDS)})")
-        if opts.engram_on not in ENGRAM_PLACEMENTS:
-            raise ConfigError(f"unknown Engram placement {opts.engram_on!r} (expected one of "
-                              f"{', '.join(ENGRAM_PLACEMENTS)})")
-        if opts.experts_on not in EXPERT_PLACEMENTS:
-            raise ConfigError(f"unknown expert placement {opts.experts_on!r} (expected one of "
-                              f"{', '.join(EXPERT_PLACEMENTS)})")
-        if opts.cpu_linears not in CPU_LINEARS:
-            raise ConfigError(f"unknown CPU Linear form {opts.cpu_linears!r} (expected one of "
-                              f"{', '.join(CPU_LINEARS)})")
-        opts.fix_index_k_publish = opts.fix_index_k_publish or "fixed" in words
-        opts.golden = opts.golden or "golden" in words
-        if opts.experts_on == "host" and (opts.golden or opts.order == "invariant"):
-            raise ConfigError(f"--experts-on host sums the routed experts in the host kernel's order, with "
-                              f"the reference's rounding points: not with --numerics "
-                              f"{'golden' if opts.golden else 'invariant'}")
-        if opts.cpu_linears == "stored" and opts.experts_on != "host":
-            raise ConfigError("--cpu-linears stored computes the other Linears as --experts-on host computes "
-                              "the routed experts, and goes with it")
-        return opts
+        kw["deterministic_topk"] = kw.get("deterministic_topk", False) or kw.get("order") == "invariant"
+        kw["fix_index_k_publish"] = kw.get("fix_index_k_publish", False) or "fixed" in words
+        kw["golden"] = kw.get("golden", False) or "golden" in words
+        return cls(**kw)
 
 
 # HF root config -> reference keys (docs/checkpoint.md §1.4).

@@ -8,8 +8,7 @@ from typing import Dict, Optional
 import torch
 
 from .config import ModelArgs, RuntimeOptions
-from .kernels import Numerics, numerics_for
-from .kernels.host_experts import PinnedStage
+from .kernels import Numerics, RoutedExperts, numerics_for, routed_experts_for
 from .parallel import ParallelContext
 from .rope import precompute_freqs_cis
 
@@ -258,17 +257,18 @@ class ModelContext:
     numerics: Numerics
     window_freqs: torch.Tensor       # ratio-0 layers and DSpark: rope_theta, no YaRN
     compress_freqs: torch.Tensor     # ratio > 0 layers: compress_rope_theta with YaRN
+    # How the MoE layers apply their routed experts (kernels/experts.py), chosen with the numerics.
+    routed_experts: RoutedExperts
     # Weights streamed from disk (--offload disk): what is derived from a routed expert is never kept.
     streamed: bool = False
-    # page-locked buffers for the round trips to the host-expert kernel (--experts-on host beside a GPU)
-    host_stage: Optional[PinnedStage] = None
 
     @staticmethod
     def build(args: ModelArgs, par: Optional[ParallelContext] = None, opts: Optional[RuntimeOptions] = None,
               device: str = "cpu", streamed: bool = False,
               numerics: Optional[Numerics] = None) -> "ModelContext":
         """The context of a model built on `device`: its numerics chosen from the options (numerics_for,
-        unless given), its RoPE tables made with them."""
+        unless given) with the method of its routed experts (routed_experts_for), its RoPE tables made with
+        the numerics."""
         par, opts = par or ParallelContext.single(), opts or RuntimeOptions()
         nx = numerics or numerics_for(opts, device)
         a = args
@@ -276,9 +276,8 @@ class ModelContext:
         compress = precompute_freqs_cis(a.rope_head_dim, a.max_seq_len, a.compress_rope_theta,
                                         a.original_seq_len, a.rope_factor, a.beta_fast, a.beta_slow, nx=nx,
                                         device=device)
-        on_gpu = torch.device(device).type not in ("cpu", "meta")
-        stage = PinnedStage() if opts.experts_on == "host" and on_gpu else None
-        return ModelContext(args, par, opts, device, nx, window, compress, streamed, stage)
+        routed = routed_experts_for(opts, device, nx, streamed)
+        return ModelContext(args, par, opts, device, nx, window, compress, routed, streamed)
 
     @property
     def act_dtype(self) -> torch.dtype:

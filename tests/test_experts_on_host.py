@@ -1,9 +1,10 @@
-"""--experts-on host (inference/moe.py HostExperts): the routed experts kept in host memory at their stored
-precision and computed there by the host-expert kernel. Against the reference's logits on the fixture
-(inside the fast order's floor), against the expert loop they replace (the torch path: the same matmuls, bit
-for bit; the native kernels: the same products, within the summation bound), with no dequantised copy kept,
-at W = 1 and 2 through the CLI, at W = 4 with the Engram tables off the device and a chunked prefill, with
-experts converted to FP8, on 2 MB pages, and the placements that exclude it refused in one line."""
+"""--experts-on host (inference/kernels/experts.py HostExperts): the routed experts kept in host memory at
+their stored precision and computed there by the host-expert kernel. Against the reference's logits on the
+fixture (inside the fast order's floor), against the expert loop they replace (the torch path: the same
+matmuls, bit for bit; the native kernels: the same products, within the summation bound), with no dequantised
+copy kept, at W = 1 and 2 through the CLI, at W = 4 with the Engram tables off the device and a chunked
+prefill, with experts converted to FP8, on 2 MB pages, and the placements that exclude it refused in one
+line."""
 import json
 import math
 import os
@@ -20,7 +21,8 @@ from test_generate import assert_close_to_reference, run_cli
 
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.kernels import host_experts as he
-from inference.moe import MoE, HostExperts, looped_experts, prefers_copy
+from inference.kernels.experts import HostExperts, looped_experts, prefers_copy
+from inference.moe import MoE
 
 U = 2.0 ** -24
 NATIVE = ["avx512", "avx2", "scalar"][["avx512", "avx2", "scalar"].index(he.auto_variant()):]
@@ -123,8 +125,9 @@ def mapping_flags(address: int) -> str:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only (madvise, /proc)")
 def test_the_experts_memory_asks_for_huge_pages(monkeypatch):
-    """A host placement advises each stacked expert weight before it is read (moe.py), and the advice
-    reaches the kernel: the mapping that holds an advised tensor carries the 'hg' flag (MADV_HUGEPAGE)."""
+    """A host placement advises each stacked expert weight before it is read (kernels/experts.py
+    HostExperts.hold), and the advice reaches the kernel: the mapping that holds an advised tensor carries the
+    'hg' flag (MADV_HUGEPAGE)."""
     from inference.model import Transformer
     advised = []
     monkeypatch.setattr(he, "advise_huge_pages", lambda t: advised.append(t.data_ptr()) or True)
@@ -145,7 +148,7 @@ def test_the_copy_estimate_of_a_gpu_call(variant, monkeypatch):
     expert; with every expert active the copy wins once the selections' work on the host, at the rate of the
     kernel variant that runs, outweighs the bytes over the link: at 2 threads about 170 tokens of top-6 with
     avx512, 106 with avx2 (a variant beyond this CPU is only named here, never run)."""
-    from inference.moe import HOST_MACS_PER_THREAD, LINK_BYTES_PER_S
+    from inference.kernels.experts import HOST_MACS_PER_THREAD, LINK_BYTES_PER_S
     from inference.state import ModelContext
     args = ModelArgs.from_file(os.path.join(os.path.dirname(FIXTURE), "..", "..", "config.json"),
                                n_routed_experts=384)
@@ -177,8 +180,8 @@ def test_placements_that_exclude_it_are_refused():
     with pytest.raises(ConfigError, match="unknown CPU Linear form 'fp16'"):
         RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="fp16")
     from inference.kernels import numerics_for
-    with pytest.raises(ConfigError, match="--cpu-linears stored computes the Linears held on the CPU; this "
-                                          "model is on cuda"):
+    with pytest.raises(ConfigError, match="--cpu-linears stored computes the Linears held on the CPU: not "
+                                          "with --device cuda"):
         numerics_for(RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="stored"), "cuda")
 
 

@@ -331,7 +331,7 @@ def test_bench_experts_runs_small(capsys):
     """`python -m inference.tools.bench experts` at a small size: the figures the issue names, the bandwidth
     read in turns with the decode (one share per round), the bad combination refused in one line. Figures
     are printed, never asserted."""
-    from inference.tools import bench_experts
+    from inference.tools.bench import experts as bench_experts
     r = bench_experts.main(["--experts", "6", "--steps", "5", "--rounds", "3", "--tokens", "8", "--subset",
                             "2", "--bandwidth-gib", "0.05", "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -16,7 +16,7 @@ Ties: which of several exactly tied index scores torch.topk keeps depends on the
 bucket's rows are longer than the eager step's, so graphs imply deterministic top-k (ties broken by the
 lowest index, the same in both). Numbers: the masked tensor-position step then gives the eager step's bits
 (tests/test_cuda_graph.py, on CPU, in the exact, fast and invariant orders); a replay against eager logits,
-bit for bit, is the device check's `cudagraph` phase (inference/tools/gpu_check.py).
+bit for bit, is the device check's `cudagraph` phase (inference/tools/gpu_check/cudagraph.py).
 
 Where a run cannot replay its decode steps from graphs (eager_reason: experts or Engram rows computed on the
 host, scoring, speculative verification), generate.py says so in one line and runs them eagerly.

@@ -41,8 +41,8 @@ fused kernels (--numerics fast, tilelang) need less; the estimate does not model
 
 With --experts-on host (RuntimeOptions.experts_on) every routed expert of the rank, the main layers' and the
 DSpark head's (one MoE class holds both), stays in host memory at its stored bytes (FP4 codes + UE8M0 scales,
-or FP8 + scales: the shard's bytes, no dequantised copy) and is computed there by the host-expert kernel;
-the GPU holds the rest. A long GPU call may copy its active experts over one at a time instead (moe.py
+or FP8 + scales: the shard's bytes, no dequantised copy) and is computed there by the host-expert kernel; the
+GPU holds the rest. A long GPU call may copy its active experts over one at a time instead (kernels/experts.py
 prefers_copy: one expert's bytes and its bf16 form, 87 MB at the released widths, left to MARGIN), so the GPU
 workspace is the one above; what crosses per call, the tokens' [n, D] bf16 hidden rows each way, is left to
 MARGIN. The host adds a workspace: per call of n tokens (all rows) n * top-k * (2 * moe_inter_dim + dim) * 4
@@ -214,7 +214,8 @@ def build_meta_model(args: ModelArgs, world_size: int, rank: int, opts: Optional
     kernel backend changes no shape: the torch one builds on any device. Nor do the placements: built on the
     device, the Engram tables and the routed experts stay on the meta device too (a host placement would
     reserve their host memory), and the plan places them by category."""
-    opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device", experts_on="device")
+    opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device", experts_on="device",
+                   cpu_linears="fp32")
     return Transformer(args, ParallelContext(world_size, rank), opts, "meta", build_dspark=build_dspark,
                        language_model_only=language_model_only)
 

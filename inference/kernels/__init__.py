@@ -18,16 +18,25 @@ How the order is picked, from RuntimeOptions and the model's device:
 Golden numerics (fp32 everywhere, no quantization) always run the torch kernels.
 cpu_linears = stored (CPU only, with the experts on the host) gives exact or fast with their FP8/FP4 Linears
 computed from the stored bytes by the host-expert kernel (host_experts.py StoredLinears).
+
+How the routed experts are applied, `routed_experts_for(opts, device, numerics, streamed)` (experts.py):
+    streamed from disk           StreamedExperts: each active expert on its tokens, its weights as streamed
+    experts_on = host            HostExperts: the host-expert kernel on their stored bytes (pinned staging
+                                 when the model is on a GPU)
+    otherwise                    StackedExperts: on a GPU, in an order whose numbers batched GEMMs on
+                                 dequantised weights give, fixed shapes for decode steps; else each expert
+                                 on its tokens
 """
 import functools
 import importlib.util
-from typing import Callable, Optional
+from typing import Union
 
 import torch
 
-from ..config import ORDERS, ConfigError, RuntimeOptions
+from ..config import ConfigError, RuntimeOptions
+from .experts import HostExperts, StackedExperts, StreamedExperts
 from .fast import Fast
-from .host_experts import ExactStoredLinears, FastStoredLinears
+from .host_experts import ExactStoredLinears, FastStoredLinears, PinnedStage
 from .invariant import Invariant
 from .numerics import Derived, Numerics, drop_derived
 from .reference import Exact
@@ -58,6 +67,8 @@ def _where(device: torch.device) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
+    if not torch.cuda.is_available():
+        return f"{device} (CUDA is not available)"
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = _capability(index)
     return f"cuda:{index} (compute capability {major}.{minor})"
@@ -65,49 +76,37 @@ def _where(device: torch.device) -> str:
 
 def _hopper_or_newer(device: torch.device) -> bool:
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
-def check_backend(opts: RuntimeOptions, device) -> None:
-    """Fail early, with one line, when the options cannot run on `device` (the model's device)."""
-    if opts.kernel_backend not in ("auto", "torch", "tilelang"):
-        raise ConfigError(f"unknown kernel backend {opts.kernel_backend!r} "
-                          f"(expected auto, torch or tilelang)")
-    if opts.order not in ORDERS:
-        raise ConfigError(f"unknown summation order {opts.order!r} (expected one of {', '.join(ORDERS)})")
-    if opts.order == "invariant" and opts.kernel_backend == "tilelang":
-        raise BackendError("--numerics invariant runs the torch kernels: drop --kernel-backend tilelang")
-    if opts.kernel_backend == "tilelang":
-        if opts.golden:
-            raise BackendError("--kernel-backend tilelang does not run golden numerics (fp32, no "
-                               "quantization): use --kernel-backend torch")
-        if not _hopper_or_newer(device):
-            raise BackendError("--kernel-backend tilelang needs CUDA tensors on a GPU with compute "
-                               f"capability >= 9.0; these are on {_where(device)}")
+def check_device(opts: RuntimeOptions, device) -> None:
+    """What the options ask of the model's device (RuntimeOptions validates the rest when it is made): the
+    TileLang kernels need a CUDA GPU of compute capability >= 9.0, Linears from stored bytes the CPU. One line
+    when they cannot run there."""
+    if opts.kernel_backend == "tilelang" and not _hopper_or_newer(device):
+        raise BackendError("--kernel-backend tilelang needs CUDA tensors on a GPU with compute "
+                           f"capability >= 9.0; these are on {_where(device)}")
+    if opts.cpu_linears == "stored" and torch.device(device).type not in ("cpu", "meta"):
+        raise BackendError(f"--cpu-linears stored computes the Linears held on the CPU: not with --device "
+                           f"{device}")
 
 
 def route(opts: RuntimeOptions, where) -> str:
     """The route ('exact', 'fast', 'invariant' or 'tilelang') for tensors on `where` (a device or a
     tensor)."""
     device = where.device if torch.is_tensor(where) else torch.device(where)
-    backend = opts.kernel_backend
+    if opts.kernel_backend == "tilelang":
+        check_device(opts, device)
     if opts.order == "invariant":
-        if backend == "tilelang":
-            check_backend(opts, device)
         return "invariant"
-    if backend == "tilelang":
-        check_backend(opts, device)
+    if opts.kernel_backend == "tilelang":
         return "tilelang"
-    if backend == "auto" and not opts.golden and _hopper_or_newer(device) and _tilelang_imports():
+    if opts.kernel_backend == "auto" and not opts.golden and _hopper_or_newer(device) and _tilelang_imports():
         return "tilelang"
-    if backend not in ("auto", "torch"):
-        check_backend(opts, device)                               # names the unknown value
     if opts.order == "auto":
         return "exact" if device.type == "cpu" else "fast"
-    if opts.order not in ORDERS:
-        check_backend(opts, device)
     return opts.order
 
 
@@ -117,10 +116,7 @@ def numerics_for(opts: RuntimeOptions, device) -> Numerics:
     that is never asked to compute."""
     if torch.device(device).type == "meta":          # a memory plan: shapes only, never a kernel call
         return (Invariant if opts.order == "invariant" else Fast)(opts.golden, device)
-    if opts.cpu_linears == "stored" and torch.device(device).type != "cpu":
-        raise ConfigError(f"--cpu-linears stored computes the Linears held on the CPU; this model is on "
-                          f"{device}")
-    check_backend(opts, device)
+    check_device(opts, device)
     path = route(opts, device)
     if path == "tilelang":
         from .tilelang_ops import TileLang     # compiles kernels on first use: only when the route is taken
@@ -128,3 +124,18 @@ def numerics_for(opts: RuntimeOptions, device) -> Numerics:
     if opts.cpu_linears == "stored":           # golden and invariant are refused with it (RuntimeOptions)
         return {"exact": ExactStoredLinears, "fast": FastStoredLinears}[path](opts.golden, device)
     return {"exact": Exact, "fast": Fast, "invariant": Invariant}[path](opts.golden, device)
+
+
+RoutedExperts = Union[StackedExperts, StreamedExperts, HostExperts]
+
+
+def routed_experts_for(opts: RuntimeOptions, device, numerics: Numerics,
+                       streamed: bool = False) -> RoutedExperts:
+    """How the model's MoE layers apply their routed experts (one object, shared by every layer), chosen with
+    its numerics where the model is built."""
+    on_gpu = torch.device(device).type not in ("cpu", "meta")
+    if streamed:
+        return StreamedExperts()
+    if opts.experts_on == "host":
+        return HostExperts(PinnedStage() if on_gpu else None)
+    return StackedExperts(fixed_shapes=on_gpu and numerics.gathers_experts)

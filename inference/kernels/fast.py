@@ -255,7 +255,7 @@ class Fast(Exact):
     """Loop-free torch at the reference's rounding points: GEMMs on weights dequantised once into the compute
     dtype, batched attention and index scores, the normalisations and the hyper-connections' stream sums as
     one kernel each, Sinkhorn in two operations per normalisation; on a GPU, a decode step's routed experts
-    from batched GEMMs on the experts it selects (fixed_shape_experts, applied by moe.StackedExperts)."""
+    from batched GEMMs on the experts it selects (fixed_shape_experts, applied by experts.StackedExperts)."""
 
     name = "fast"
 

@@ -90,7 +90,7 @@ class Numerics:
     # Whether every row's result is independent of the others in its call (then a verification extend needs
     # no per-position evaluation to equal decoding, see ForwardCall.per_position).
     rows_independent = False
-    # Whether batched GEMMs on dequantised stacked experts give this order's numbers (moe.StackedExperts).
+    # Whether batched GEMMs on dequantised stacked experts give this order's numbers (experts.StackedExperts).
     gathers_experts = False
 
     def __init__(self, golden: bool = False, device="cpu"):

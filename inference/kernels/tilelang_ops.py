@@ -13,7 +13,7 @@ and keep the result in `_compiled`, a `functools.lru_cache` keyed by the build s
 factory arguments: the only state. Rows ride on the grid's x axis, and a call whose tensors would reach 2^31
 elements is cut into several launches (the wrappers' section says why).
 
-How each kernel follows the reference, by construction (inference/tools/gpu_check.py runs them on a GPU
+How each kernel follows the reference, by construction (inference/tools/gpu_check/ runs them on a GPU
 against the torch references; first run on an H200: docs/benchmarks.md §5):
 * Quantisers: same operations in the same order (power-of-two scales from the exponent bits, IEEE division,
   saturating round-to-nearest-even E4M3 casts, the E2M1 tie table, signed zeros kept). Bit for bit on the
