@@ -25,6 +25,7 @@ from test_generate import (GENERATE, ScriptedModel, assert_clean_error, base_arg
 from encoding import encode_messages
 from encoding.tokenizer import load_tokenizer
 from inference.engine import chat, generation
+from inference.engine.batch import Budget, PromptBatch
 from inference.engine.chat import Detokenizer, ReplyPrinter
 from inference.parallel import ParallelContext
 
@@ -61,16 +62,16 @@ def test_generate_loop_stops_when_the_hook_says_so():
     def on_step(ids):
         seen.append(ids.tolist())
         return len(seen) == 3
-    completions, reasons = generation.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1,
+    completions, reasons = generation.generate(model, PromptBatch([[5, 6, 7]]), Budget(50, 1),
                                                on_step=on_step)
     assert seen == [[103], [104], [105]]                   # prefill's token, then one per decode step
     assert completions == [[103, 104, 105]] and reasons == ["interrupted"]
     assert len(model.calls) == 3                            # no step after the stop
-    completions, reasons = generation.generate(ScriptedModel(), [[5, 6, 7]], max_new_tokens=2, eos_id=1,
+    completions, reasons = generation.generate(ScriptedModel(), PromptBatch([[5, 6, 7]]), Budget(2, 1),
                                                on_step=lambda ids: True)
     assert completions == [[103]] and reasons == ["interrupted"]
     # A stop at the last step is no interruption: the budget was used.
-    completions, reasons = generation.generate(ScriptedModel(), [[5, 6, 7]], max_new_tokens=1, eos_id=1,
+    completions, reasons = generation.generate(ScriptedModel(), PromptBatch([[5, 6, 7]]), Budget(1, 1),
                                                on_step=lambda ids: True)
     assert completions == [[103]] and reasons == ["length"]
 

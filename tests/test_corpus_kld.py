@@ -368,6 +368,26 @@ def test_offload_disk_invariant_batching_and_prefill_chunks_write_the_same_file(
     assert open(one, "rb").read() == open(two, "rb").read() == open(parts, "rb").read()
 
 
+def test_the_experts_at_their_stored_bytes_make_a_base_inside_the_fast_floor(runs):
+    """A CPU server's base with the routed experts and the other Linears computed from their stored bytes
+    (the session's loading flags, as generate.py takes them): its distance to the reference's base is the
+    fast order's (the host kernel sums the same exact products in its own order; on an AVX-512 machine the
+    fixture's numbers come out as the fast order's bits), and the placement is part of the run's identity."""
+    tmp = runs["tmp"]
+    stored, _ = score(FIXTURE, str(tmp / "stored"), "--numerics", "fast", "--experts-on", "host",
+                      "--cpu-linears", "stored")
+    manifest = json.load(open(stored + ".manifest.json"))
+    assert [manifest[k] for k in ("experts_on", "cpu_linears", "numerics")] == ["host", "stored", "fast"]
+    assert json.load(open(runs["fast"] + ".manifest.json"))["experts_on"] == "device"
+    _, _, tok_ref, _, _, _, base = read_kld(runs["ref"])
+    _, _, tok, _, _, _, got = read_kld(stored)
+    assert np.array_equal(tok_ref, tok)
+    kl_stored, _, _ = llama_kld(base, got)
+    kl_fast, _, _ = llama_kld(base, read_kld(runs["fast"])[-1])
+    print(f"mean KLD against the reference: stored bytes {kl_stored.mean():.3g}, fast {kl_fast.mean():.3g}")
+    assert kl_stored.mean() <= 2 * kl_fast.mean()
+
+
 def test_two_ranks_and_the_floor(runs):
     from safetensors.torch import load_file, save_file
     from test_tensor_parallel import reshard

@@ -17,6 +17,7 @@ import convert
 import ranks
 
 from inference.engine import generation, prompts
+from inference.engine.batch import Budget, PromptBatch
 from inference.engine.errors import InputError
 from encoding import IMAGE_PLACEHOLDER, encode_messages, parse_tagged_text
 from encoding.tokenizer import load_tokenizer
@@ -60,8 +61,7 @@ class ScriptedModel(torch.nn.Module):
 
 def test_generate_loop_right_padding_teacher_forcing_and_eos():
     model = ScriptedModel(eos_at={1: 7})
-    completions, reasons = generation.generate(model, [[5, 6, 7], [5, 6, 7, 8, 9]], max_new_tokens=4,
-                                               eos_id=1)
+    completions, reasons = generation.generate(model, PromptBatch([[5, 6, 7], [5, 6, 7, 8, 9]]), Budget(4, 1))
     # Prefill = the shortest prompt; then one token per call, starting where the previous call ended.
     assert model.calls[0][:2] == (0, [[5, 6, 7], [5, 6, 7]])
     assert [(c[0], len(c[1][0])) for c in model.calls[1:]] == [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]
@@ -73,25 +73,26 @@ def test_generate_loop_right_padding_teacher_forcing_and_eos():
 
 def test_generate_loop_stops_when_all_rows_finished_and_respects_max_seq_len():
     model = ScriptedModel(eos_at={0: 4})
-    completions, reasons = generation.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
+    completions, reasons = generation.generate(model, PromptBatch([[5, 6, 7]]), Budget(50, 1))
     assert completions == [[103]] and reasons == ["eos"] and len(model.calls) == 2
     model = ScriptedModel(max_seq_len=6)
-    completions, reasons = generation.generate(model, [[5, 6, 7]], max_new_tokens=50, eos_id=1)
+    completions, reasons = generation.generate(model, PromptBatch([[5, 6, 7]]), Budget(50, 1))
     assert completions == [[103, 104, 105]] and reasons == ["length"]
     with pytest.raises(InputError, match=r"Prompt length exceeds model maximum sequence length "
                                                 r"\(max_seq_len=6\)"):
-        generation.generate(model, [[5] * 7], max_new_tokens=1, eos_id=1)
+        generation.generate(model, PromptBatch([[5] * 7]), Budget(1, 1))
 
 
 def test_generate_loop_passes_images_only_to_the_prefill():
     model = ScriptedModel()
     images = [["image-0"]]
-    generation.generate(model, [[5, 6, 7, 8]], 2, 1, prompt_token_types=[[-1, 0, 3, -1]], images=images)
+    generation.generate(model, PromptBatch([[5, 6, 7, 8]], [[-1, 0, 3, -1]], images), Budget(2, 1))
     assert model.calls[0][2] is images and model.calls[0][3] == [[-1, 0, 3, -1]]
     assert all(c[2] is None and c[3] is None for c in model.calls[1:])
     with pytest.raises(InputError, match="prefill chunk"):
-        generation.generate(ScriptedModel(), [[5, 6], [5, 6, 7, 8]], 2, 1,
-                          prompt_token_types=[[-1, -1], [-1, 0, 1, 3]], images=[[], ["x"]])
+        generation.generate(ScriptedModel(),
+                            PromptBatch([[5, 6], [5, 6, 7, 8]], [[-1, -1], [-1, 0, 1, 3]], [[], ["x"]]),
+                            Budget(2, 1))
 
 
 def test_parse_completion_reappends_eos_and_falls_back_to_raw_text():

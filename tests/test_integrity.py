@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -162,7 +161,8 @@ def test_convert_rerun_names_and_rewrites_a_damaged_file(hf, out):
 def test_generate_verify(out, tmp_path, capsys, monkeypatch):
     def stop(*a, **k):      # the next step after the checks: the memory plan
         raise generate.CLIError("stopped before the memory plan")
-    monkeypatch.setattr(generate, "rank_plan", stop)
+    from inference.engine import session
+    monkeypatch.setattr(session, "rank_plan", stop)
     args = generate_args(out, tmp_path, "--verify", prompt="Hello")
     code, text, err = run_generate(capsys, args)
     assert "verified" in text and "every tensor matches" in text
@@ -211,9 +211,9 @@ def test_verify_truncated_file(out, capsys):
 def test_released_config_with_a_tiny_checkpoint(out, tmp_path, capsys, monkeypatch):
     def no_allocation(*a, **k):
         raise AssertionError("the memory plan or the model build ran")
-    monkeypatch.setattr(generate, "rank_plan", no_allocation)
-    monkeypatch.setattr(generate, "prefill_chunk_for", no_allocation)
-    monkeypatch.setattr(generate, "load_model", no_allocation)
+    from inference.engine import session
+    for step in ("rank_plan", "prefill_chunk_for", "load_model"):       # the session's loading steps
+        monkeypatch.setattr(session, step, no_allocation)
     args = generate_args(out, tmp_path, config=os.path.join(ROOT, "config.json"), prompt="Hello")
     code, _, err = run_generate(capsys, args)
     assert code == 1 and err.count("\n") == 1, err

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import List
 
+import pytest
+
 from conftest import ROOT, free_port
 import ranks
 
@@ -97,7 +99,7 @@ def test_readme_example_is_a_valid_launch(tmp_path):
     proc = finish([start(["bash", RUN_SH, "generate", *args], dict(env, CKPT=str(tmp_path), DRY_RUN="1"))])[0]
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.split()
-    assert cmd[1:3] == ["-m", "inference.tools.launch"]
+    assert cmd[1:3] == ["-m", "inference.engine.launch"]
     assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc-per-node") + 1] == str(mp // 2)
     assert cmd[cmd.index("--master-addr") + 1] == env["MASTER_ADDR"]
     assert cmd[cmd.index("--rdzv-conf") + 1] == "timeout=300"
@@ -178,16 +180,23 @@ def test_the_process_group_timeout_reaches_the_group():
 
 
 def test_generate_passes_its_timeouts(monkeypatch):
-    import torch
     import generate
+    from inference.engine import session
+    from inference.parallel import RankLog
+
+    class Joined(Exception):        # stops the start right after the process group, before the tokenizer
+        pass
+
     seen = []
-    monkeypatch.setattr(generate.ParallelContext, "from_env", classmethod(lambda cls, *a: seen.append(a)))
+
+    def from_env(cls, *a):
+        seen.append(a)
+        raise Joined
+    monkeypatch.setattr(session.ParallelContext, "from_env", classmethod(from_env))
     base = ["--ckpt-path", "c", "--config", "c.json", "--device", "cpu", "--interactive"]
     o = generate.parse_args(base)
     assert (o.dist_timeout, o.join_timeout) == (60, 300)
-    rng = torch.get_rng_state()
-    try:
-        generate.init_runtime(generate.parse_args([*base, "--dist-timeout", "90", "--join-timeout", "20"]), 1)
-    finally:
-        torch.set_rng_state(rng)
+    with pytest.raises(Joined):
+        session.Session.start(generate.parse_args([*base, "--dist-timeout", "90", "--join-timeout", "20"]),
+                              RankLog(0), None, None)
     assert seen == [("cpu", 90, 20)]

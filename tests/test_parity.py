@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from conftest import FIXTURE, ROOT, fixture_model, fixture_file
 from inference.engine.checkpoint import save_atomically
 from inference.engine.scoring import score_with_capture
-from inference.tools import parity
+from inference.tools import blocks, parity
 from inference.config import ModelArgs, RuntimeOptions
 
 REF_LOGITS = os.path.join(FIXTURE, "reference_logits.safetensors")
@@ -97,7 +97,7 @@ def test_captures_use_the_fixture_naming(runs):
             assert name in ours and ours[name].shape == t.shape and ours[name].dtype == t.dtype, name
     # Exact parts equal; streams within the end-to-end noise floor (not layer-isolated: differences compound
     # along the depth, measured up to 4.5e-2 for block_out and 7.8e-3 for block_pre_mix).
-    first, out = report(parity.run_compare_blocks, runs["reference_caps"], INTERMEDIATES, rtol=0.1,
+    first, out = report(blocks.run_compare_blocks, runs["reference_caps"], INTERMEDIATES, rtol=0.1,
                         pre_mix_atol=0.05)
     assert first is None, out
     assert "indexer_idxs DIFFER" not in out and "candidates DIFFER" not in out and "hashes DIFFER" not in out
@@ -107,11 +107,11 @@ def test_perturbed_expert_fails_and_the_block_comparison_names_it(runs, capsys):
     assert parity.main(["compare", runs["perturbed"], REF_LOGITS]) == 1
     assert parity.main(["compare", runs["perturbed"], runs["reference"]]) == 1
     assert "FAIL" in capsys.readouterr().out
-    first, out = report(parity.run_compare_blocks, runs["perturbed_caps"], runs["reference_caps"])
+    first, out = report(blocks.run_compare_blocks, runs["perturbed_caps"], runs["reference_caps"])
     assert first is not None and first[:2] == (0, PERTURBED_LAYER) and "block_out" in first[2], out
     assert f"first divergence: step 00, block {PERTURBED_LAYER}: block_out relative error" in out
     # Same code, same inputs: the blocks before the perturbed one are bit-identical.
-    first, _ = report(parity.run_compare_blocks, runs["perturbed_caps"], runs["reference_caps"], rtol=0,
+    first, _ = report(blocks.run_compare_blocks, runs["perturbed_caps"], runs["reference_caps"], rtol=0,
                       pre_mix_atol=0)
     assert first[:2] == (0, PERTURBED_LAYER)
 
@@ -256,7 +256,7 @@ def test_golden_numerics_end_to_end(runs):
     golden = load_file(runs["golden_caps"])
     assert golden["step00.block_out"].dtype == golden["step00.final_norm"].dtype == torch.float32
     # Same selections: in this strict fixture every reachable compressed position is selected anyway.
-    first, out = report(parity.run_compare_blocks, runs["golden_caps"], runs["reference_caps"], rtol=1.0,
+    first, out = report(blocks.run_compare_blocks, runs["golden_caps"], runs["reference_caps"], rtol=1.0,
                         pre_mix_atol=1.0)
     assert first is None and "DIFFER" not in out, out
     # Measured over the 321 scored positions, golden vs reference: max |Δ| 0.347, mean |Δ| 0.0355, mean KL

@@ -423,7 +423,7 @@ def test_host_table_cpu_only_line(released_host_table):
 def test_host_table_cli_json_and_bad_values(capsys, monkeypatch):
     """--experts-on host --json on the fixture: the keys, a bandwidth given or measured; a bad value is one
     line naming the flag."""
-    from inference.tools import bench_experts
+    from inference.tools.bench import experts as bench_experts
     from inference.tools.plan import main
     base = ["--config", FIXTURE_CONFIG, "--experts-on", "host", "--mp", "1", "2"]
     assert main(base + ["--host-bandwidth", "40", "--json"]) == 0

@@ -15,6 +15,7 @@ from conftest import FIXTURE, fixture_file, fixture_model
 from test_generate import assert_clean_error, run_cli
 
 from inference.config import RuntimeOptions
+from inference.engine.batch import Budget
 from inference.engine.errors import InputError
 from inference.engine.prefill import check_chunk, chunk_bounds, prefill
 
@@ -100,14 +101,15 @@ def test_speculative_capture_and_all_prefill_logits_with_chunks(tmp_path):
     DSpark rings seeded chunk by chunk) gives the tokens of a prefill in one call; scoring with chunks of 16
     writes every prefill position's logits (the same bits) and one capture step per call."""
     from inference.engine.scoring import score as score_fn, score_with_capture
-    from inference.engine.speculative import speculative_generate
+    from inference.engine.speculative import SpecOptions, speculative_generate
     with open(fixture_file(os.path.join(FIXTURE, "score.json"))) as f:
         seq = json.load(f)["sequences"][0]
     model = fixture_model(RuntimeOptions.from_profile("invariant"), temperature=0.0)
     runs = {}
     for chunk in (None, 13):
         model.reset()
-        runs[chunk] = speculative_generate(model, seq[:40], 8, -1, 0.0, 4, "chunked", prefill_chunk=chunk)[0]
+        runs[chunk] = speculative_generate(model, seq[:40], Budget(8, -1, chunk),
+                                           SpecOptions(0.0, 4, "chunked"))[0]
     assert runs[13] == runs[None] and len(runs[None]) == 8
     model.reset()
     whole = score_fn(model, [seq[:44]], 40, all_prefill_logits=True)

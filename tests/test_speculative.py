@@ -19,10 +19,11 @@ import ranks
 import generate
 import test_generate
 from inference.engine import generation
+from inference.engine.batch import Budget, PromptBatch
 from inference.tools.parity import Tolerances
 import inference.engine.speculative as speculative
-from inference.engine.speculative import (greedy_accept, sampled_accept, speculative_generate,
-                                   speculative_generate_batch)
+from inference.engine.speculative import (SpecOptions, greedy_accept, sampled_accept, speculative_generate,
+                                          speculative_generate_batch)
 
 PROMPT_LEN = 23      # odd: the ratio-2 compressor ends the prefill inside a group
 NEW = 40             # plain decoding's budget: max_seq_len - PROMPT_LEN, positions 23..62: the 16-token
@@ -173,7 +174,8 @@ def test_batch_rows_in_step_keep_the_target_distribution(verify, monkeypatch):
     def counts(trials):
         c, uneven = torch.zeros(2, 36, dtype=torch.float64), 0
         for _ in range(trials):
-            out, _, st = speculative_generate_batch(model, [[0, 3], [1, 5]], 5, -1, 1.0, 3, verify)
+            out, _, st = speculative_generate_batch(model, PromptBatch([[0, 3], [1, 5]]), Budget(5, -1),
+                                                    SpecOptions(1.0, 3, verify))
             for b in range(2):
                 c[b, out[b][0] * 6 + out[b][1]] += 1
             uneven += sum(r0[0] != r1[0] for r0, r1 in st.decisions)
@@ -218,7 +220,8 @@ def test_the_temperature_travels_with_the_calls(monkeypatch):
     model = Recording(*toy_bigram(gen, 6))
     before = vars(model.args).copy()
     for verify in ("chunked", "sequential"):
-        speculative_generate_batch(model, [[0, 3], [1, 5]], 8, -1, 0.0, 3, verify)
+        speculative_generate_batch(model, PromptBatch([[0, 3], [1, 5]]), Budget(8, -1),
+                                   SpecOptions(0.0, 3, verify))
     assert vars(model.args) == before and model.args.temperature == 1.0
     assert len(temps) > 4 and set(temps) == {0.0}
 
@@ -304,7 +307,7 @@ def plain_greedy_batch(model, prompts, n):
 
     with mock.patch.object(generation, "prefill", recorded(generation.prefill)), \
             mock.patch.object(generation, "decode_step", recorded(generation.decode_step)):
-        tokens, _ = generation.generate(model, prompts, n, -1)
+        tokens, _ = generation.generate(model, PromptBatch(prompts), Budget(n, -1))
     top2 = torch.stack(logits).topk(2, dim=-1).values                          # [steps, B, 2]
     margins = (top2[..., 0] - top2[..., 1]).T                                  # [B, steps]
     first = [len(p) - min(len(q) for q in prompts) for p in prompts]
@@ -322,15 +325,17 @@ def suite(model, prompt, batch, verifies, new=NEW + 10, batch1=True):
         out["plain"], out["margins"] = plain_greedy(model, prompt, new)
         for verify in ("sequential", "chunked"):
             torch.manual_seed(5)
-            tokens, st = speculative_generate(model, prompt, SAMPLED, -1, 1.0, 5, verify)
+            tokens, st = speculative_generate(model, prompt, Budget(SAMPLED, -1), SpecOptions(1.0, 5, verify))
             out[f"sampled_{verify}"] = (tokens, st.decisions)
     out["plain2"], out["margins2"] = plain_greedy_batch(model, batch, new)
     for verify in verifies:
-        tokens, _, st = speculative_generate_batch(model, batch, new, -1, 0.0, 5, verify)
+        tokens, _, st = speculative_generate_batch(model, PromptBatch(batch), Budget(new, -1),
+                                                   SpecOptions(0.0, 5, verify))
         out[f"{verify}2"] = (tokens, st.decisions, st.plain_steps, st.mean_accepted, st.tokens_per_forward,
                              st.discarded)
     torch.manual_seed(6)
-    tokens, _, st = speculative_generate_batch(model, batch, SAMPLED, -1, 1.0, 5, "chunked")
+    tokens, _, st = speculative_generate_batch(model, PromptBatch(batch), Budget(SAMPLED, -1),
+                                               SpecOptions(1.0, 5, "chunked"))
     out["sampled2"] = (tokens, st.decisions)
     return out
 
@@ -376,7 +381,8 @@ def test_invariant_chunked_is_plain_greedy(ckpt):
     (tests/test_invariant_model.py)."""
     model = build(ckpt, numerics="invariant")
     plain2, _ = plain_greedy_batch(model, ckpt["batch"], SHORTER)
-    tokens2, _, _ = speculative_generate_batch(model, ckpt["batch"], SHORTER, -1, 0.0, 5, "chunked")
+    tokens2, _, _ = speculative_generate_batch(model, PromptBatch(ckpt["batch"]), Budget(SHORTER, -1),
+                                               SpecOptions(0.0, 5, "chunked"))
     assert [len(t) for t in plain2] == [SHORTER, SHORTER] and tokens2 == plain2
 
 
@@ -411,15 +417,15 @@ def test_batch_of_two_forced_drafts(mp1, ckpt):
             return d
         return draft
 
-    tokens, _, st = speculative_generate_batch(model, ckpt["batch"], FORCED, -1, 0.0, 5, "chunked",
-                                               draft_hook=hook(()))
+    tokens, _, st = speculative_generate_batch(model, PromptBatch(ckpt["batch"]), Budget(FORCED, -1),
+                                               SpecOptions(0.0, 5, "chunked"), draft_hook=hook(()))
     print(f"batch 2, forced drafts: {st.tokens_per_forward:.2f} tokens per forward per sequence")
     for b in range(2):
         check_chunked(f"forced row {b}", tokens[b], plain[b][:FORCED], r["margins2"][b])
     if tokens == [p[:FORCED] for p in plain]:
         assert st.mean_accepted == 5 and st.tokens_per_forward == 6
-    tokens, _, st = speculative_generate_batch(model, ckpt["batch"], 40, -1, 0.0, 5, "sequential",
-                                               draft_hook=hook((1,)))
+    tokens, _, st = speculative_generate_batch(model, PromptBatch(ckpt["batch"]), Budget(40, -1),
+                                               SpecOptions(0.0, 5, "sequential"), draft_hook=hook((1,)))
     assert tokens == [p[:40] for p in plain]
     assert st.tokens_per_forward >= 1 and st.decisions and all(d[0] == (-1, -1) for d in st.decisions)
 
@@ -428,7 +434,8 @@ def test_forced_and_random_drafts(mp1, ckpt):
     model, r = mp1
     prompt, plain = ckpt["prompt"], r["plain"]
     right = lambda pos, d: torch.tensor(plain[pos - PROMPT_LEN:pos - PROMPT_LEN + len(d)])
-    tokens, st = speculative_generate(model, prompt, FORCED, -1, 0.0, 5, "chunked", draft_hook=right)
+    tokens, st = speculative_generate(model, prompt, Budget(FORCED, -1), SpecOptions(0.0, 5, "chunked"),
+                                      draft_hook=right)
     print(f"forced drafts: mean accepted length {st.mean_accepted:.2f}, "
           f"{st.tokens_per_forward:.2f} tokens per main-model forward")
     check_chunked("forced drafts", tokens, plain[:FORCED], r["margins"])
@@ -437,7 +444,8 @@ def test_forced_and_random_drafts(mp1, ckpt):
 
     gen = torch.Generator().manual_seed(3)
     noise = lambda pos, d: torch.randint(4, ckpt["vocab"], d.shape, generator=gen)
-    tokens, st = speculative_generate(model, prompt, 40, -1, 0.0, 5, "chunked", draft_hook=noise)
+    tokens, st = speculative_generate(model, prompt, Budget(40, -1), SpecOptions(0.0, 5, "chunked"),
+                                      draft_hook=noise)
     print(f"random drafts: mean accepted length {st.mean_accepted:.2f}, "
           f"{st.tokens_per_forward:.2f} tokens per main-model forward")
     check_chunked("random drafts", tokens, plain[:40], r["margins"])
@@ -450,16 +458,17 @@ def test_eos_confidence_threshold_and_one_token_prompt(mp1, ckpt):
     right = lambda pos, d: torch.tensor(plain[pos - PROMPT_LEN:pos - PROMPT_LEN + len(d)])
     # EOS inside an accepted block: cut before it, like plain decoding.
     eos = plain[33]
-    tokens, st = speculative_generate(model, prompt, 100, eos, 0.0, 5, "sequential", draft_hook=right)
+    tokens, st = speculative_generate(model, prompt, Budget(100, eos), SpecOptions(0.0, 5, "sequential"),
+                                      draft_hook=right)
     assert tokens == plain[:plain.index(eos)] and st.reason == "eos"
     # Threshold 1: no draft is confident enough, every step verifies nothing; threshold 0: all are verified.
-    tokens, st = speculative_generate(model, prompt, 12, -1, 0.0, 5, "sequential", min_confidence=1.0)
+    tokens, st = speculative_generate(model, prompt, Budget(12, -1), SpecOptions(0.0, 5, "sequential", 1.0))
     assert tokens == plain[:12] and st.drafted == 0 and st.steps + st.plain_steps == 11
-    tokens, st = speculative_generate(model, prompt, 12, -1, 0.0, 3, "sequential", min_confidence=0.0)
+    tokens, st = speculative_generate(model, prompt, Budget(12, -1), SpecOptions(0.0, 3, "sequential", 0.0))
     assert tokens == plain[:12] and st.drafted > 0
     # A one-token prompt: one plain decode step first (start_pos 0 only seeds the rings).
     one, _ = plain_greedy(model, prompt[:1], 15)
-    tokens, st = speculative_generate(model, prompt[:1], 15, -1, 0.0, 5, "sequential")
+    tokens, st = speculative_generate(model, prompt[:1], Budget(15, -1), SpecOptions(0.0, 5, "sequential"))
     assert tokens == one and st.plain_steps >= 1
 
 
@@ -471,13 +480,13 @@ def test_the_step_hook_sees_every_committed_token_and_can_stop(mp1, ckpt):
     prompt, plain = ckpt["prompt"], r["plain"]
     right = lambda pos, d: torch.tensor([plain[pos - PROMPT_LEN:pos - PROMPT_LEN + d.shape[1]]])   # [1, k]
     seen = []
-    tokens, reasons, _ = speculative_generate_batch(model, [prompt], 20, -1, 0.0, 5, "sequential",
-                                                    draft_hook=right,
+    tokens, reasons, _ = speculative_generate_batch(model, PromptBatch([prompt]), Budget(20, -1),
+                                                    SpecOptions(0.0, 5, "sequential"), draft_hook=right,
                                                     on_step=lambda ids: bool(seen.append(int(ids[0]))))
     assert seen == tokens[0] == plain[:20] and reasons == ["length"]
     seen.clear()
-    tokens, reasons, _ = speculative_generate_batch(model, [prompt], 20, -1, 0.0, 5, "sequential",
-                                                    draft_hook=right,
+    tokens, reasons, _ = speculative_generate_batch(model, PromptBatch([prompt]), Budget(20, -1),
+                                                    SpecOptions(0.0, 5, "sequential"), draft_hook=right,
                                                     on_step=lambda ids: seen.append(int(ids[0])) or
                                                     len(seen) >= 3)
     # the prefill's token, then a step of 5 accepted drafts and the token after them: stopped at 7
@@ -494,7 +503,8 @@ def test_sampled_runs_are_reproducible(mp1, ckpt):
               f"{len(accepted)} steps")
     # the same seed, the same run (one verification suffices: the draws do not depend on it)
     torch.manual_seed(5)
-    again, st = speculative_generate(model, ckpt["prompt"], SAMPLED, -1, 1.0, 5, "chunked")
+    again, st = speculative_generate(model, ckpt["prompt"], Budget(SAMPLED, -1),
+                                     SpecOptions(1.0, 5, "chunked"))
     assert (again, st.decisions) == r["sampled_chunked"]
 
 

@@ -1,8 +1,28 @@
 """The official generate loop's batch layout, shared by generate.py's generate() and the speculative loop:
-prompts left-aligned in a [B, total_len] buffer padded with -1, completions read back from it."""
+prompts left-aligned in a [B, total_len] buffer padded with -1, completions read back from it; what a batch
+is (PromptBatch) and how far it runs (Budget)."""
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """The prompts of one batch: each one's ids, and when any has images, each one's token types (TEXT = -1)
+    and its [ImageInput] (None for both in a batch of text)."""
+    ids: List[List[int]]
+    token_types: Optional[List[List[int]]] = None
+    images: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How far a batch runs: at most max_new_tokens a row, a row ends at eos_id; the prefill in calls of at
+    most prefill_chunk positions (None: one call)."""
+    max_new_tokens: int
+    eos_id: int
+    prefill_chunk: Optional[int] = None
 
 
 def prompt_buffer(prompts: List[List[int]], total_len: int, device,

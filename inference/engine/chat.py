@@ -15,7 +15,7 @@ import torch
 from encoding.encoding import THINK_END
 
 from ..parallel import ParallelContext
-from .generation import Runner
+from .runner import Runner
 from .prompts import Completion, Prompt
 
 

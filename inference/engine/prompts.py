@@ -14,6 +14,7 @@ from encoding.tokenizer import image_token_spelling
 
 from ..config import ModelArgs
 from ..vision import VisionError, load_image, place_expanded_images, prepare_vl_inputs, preprocess_image
+from .batch import PromptBatch
 from .errors import InputError
 
 
@@ -163,11 +164,14 @@ def parse_completion(text: str, reason: str, thinking_mode: str) -> Tuple[Dict[s
 
 
 
-def vision_inputs(prompts: List[Prompt]) -> Tuple[Optional[list], Optional[list]]:
-    """Per row: token types (TEXT = -1 for text rows) and images; None, None if no prompt has images."""
+def batch_of(prompts: List[Prompt]) -> PromptBatch:
+    """The batch of prepared prompts: their ids, and when any has images, per row its token types (TEXT = -1
+    for text rows) and images."""
+    ids = [p.ids for p in prompts]
     if not any(p.images for p in prompts):
-        return None, None
-    return [p.token_types or [-1] * len(p.ids) for p in prompts], [p.images or [] for p in prompts]
+        return PromptBatch(ids)
+    return PromptBatch(ids, [p.token_types or [-1] * len(p.ids) for p in prompts],
+                       [p.images or [] for p in prompts])
 
 
 SCORE_FORMAT = ('{"sequences": [[ids...] | {"messages": [...], "tools"?, "thinking_mode"?, '

@@ -2,6 +2,7 @@
 block capture: every forward's Engram hashes, index selections and block outputs, for locating where two
 runs part (`inference.tools.parity compare-blocks`)."""
 import json
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -194,15 +195,38 @@ def score_with_capture(model, seqs: List[List[int]], prefill_len: int, capture_p
     return out
 
 
-def score_to_file(model, seqs: List[List[int]], prefill_len: int, path: str, metadata: Dict[str, str],
-                  capture_path: Optional[str] = None, **score_kw) -> Dict[str, torch.Tensor]:
-    """score() (with block capture when capture_path is given), the dump written by rank 0, atomically."""
-    if capture_path:
-        out = score_with_capture(model, seqs, prefill_len, capture_path, **score_kw)
+@dataclass(frozen=True)
+class ScoreJob:
+    """What to score (generate.py --score: prompts.read_score_file): the sequences, the prefill length P,
+    and per row its token types and images (None without images)."""
+    seqs: List[List[int]]
+    prefill_len: int
+    token_types: Optional[List[List[int]]] = None
+    images: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class ScoreOutputs:
+    """What a scoring run writes: the logits dump (`dump`), and optionally every block's capture, every
+    prefill position's logits, the DSpark draft head's answers."""
+    dump: str
+    capture: Optional[str] = None
+    all_prefill_logits: bool = False
+    dspark: bool = False
+
+
+def score_to_file(model, job: ScoreJob, out: ScoreOutputs, metadata: Dict[str, str],
+                  stats: Optional[Stats] = None,
+                  prefill_chunk: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """score() (with block capture when out.capture is given), the dump written by rank 0, atomically."""
+    kw = dict(all_prefill_logits=out.all_prefill_logits, stats=stats, dspark=out.dspark,
+              token_types=job.token_types, images=job.images, prefill_chunk=prefill_chunk)
+    if out.capture:
+        tensors = score_with_capture(model, job.seqs, job.prefill_len, out.capture, **kw)
     else:
-        out = score(model, seqs, prefill_len, **score_kw)
+        tensors = score(model, job.seqs, job.prefill_len, **kw)
     if model.ctx.par.rank == 0:
-        save_atomically(out, path, dict(metadata, prefill_len=str(prefill_len),
-                                        world_size=str(model.ctx.par.world_size)))
-    return out
+        save_atomically(tensors, out.dump, dict(metadata, prefill_len=str(job.prefill_len),
+                                                world_size=str(model.ctx.par.world_size)))
+    return tensors
 

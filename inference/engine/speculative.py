@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from ..sampling import sample
-from .batch import prompt_buffer, read_completions
+from .batch import Budget, PromptBatch, prompt_buffer, read_completions
 from .prefill import prefill
 
 VERIFY_MODES = ("chunked", "sequential")
@@ -164,30 +164,38 @@ def _sync(device: torch.device) -> None:
 DraftHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculative decoding with the DSpark draft head. temperature: None = model.args.temperature; the
+    drafts and the main model sample at it, passed with every call (the model's config is never changed).
+    k: drafts verified per step, 1..dspark_block_size (None: all). verify: chunked (one extend call, the
+    rejected rows rolled back) or sequential (a decode step per token). min_confidence: verify only the
+    leading drafts whose sigmoid(confidence) reaches it (None: all)."""
+    temperature: Optional[float] = None
+    k: Optional[int] = None
+    verify: str = "chunked"
+    min_confidence: Optional[float] = None
+
+
 @torch.inference_mode()
-def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: int, eos_id: int,
-                               temperature: Optional[float] = None, k: Optional[int] = None,
-                               verify: str = "chunked", min_confidence: Optional[float] = None,
+def speculative_generate_batch(model, batch: PromptBatch, budget: Budget, spec: SpecOptions = SpecOptions(),
                                draft_hook: Optional[DraftHook] = None,
-                               token_types: Optional[List[List[int]]] = None, images=None,
-                               prefill_chunk: Optional[int] = None,
                                on_step: Optional[Callable[[torch.Tensor], bool]] = None
                                ) -> Tuple[List[List[int]], List[str], SpecStats]:
-    """Prompts -> (completion ids per prompt, EOS excluded, at most max_new_tokens; finish reasons "eos" /
-    "length"; statistics). The buffer and the prompt handling are generate.generate()'s: prompts
+    """Prompts -> (completion ids per prompt, EOS excluded, at most budget.max_new_tokens; finish reasons
+    "eos" / "length"; statistics). The buffer and the prompt handling are generation.generate()'s: prompts
     right-padded, prefill up to the shortest, rows inside their prompt teacher-forced (by plain decode steps:
     speculation starts once every row is past its prompt).
 
-    temperature: None = model.args.temperature; the drafts and the main model sample at it, passed with
-    every call (the model's config is never changed). k: drafts verified per step, 1..dspark_block_size
-    (default: all).
     draft_hook(position of the first draft, drafts [B, k]) -> drafts [B, k]: a test hook replacing the
     drafts; when sampling, its drafts count as deterministic proposals (q = one-hot), which keeps the rule
-    exact. token_types (per prompt, TEXT = -1) and images (one list per prompt): as generate() takes them.
-    on_step(ids [B]): called on every rank with each committed position's ids, in order (a step commits one
-    to k+1 of them); when one call returns True the loop ends after the current step and the rows not yet
-    ended get the finish reason "interrupted" (generate()'s hook, as a chat uses it)."""
+    exact. on_step(ids [B]): called on every rank with each committed position's ids, in order (a step
+    commits one to k+1 of them); when one call returns True the loop ends after the current step and the rows
+    not yet ended get the finish reason "interrupted" (generate()'s hook, as a chat uses it)."""
     a = model.args
+    prompts, max_new_tokens, eos_id = batch.ids, budget.max_new_tokens, budget.eos_id
+    temperature, k, verify, min_confidence = spec.temperature, spec.k, spec.verify, spec.min_confidence
+    token_types, images, prefill_chunk = batch.token_types, batch.images, budget.prefill_chunk
     if model.mtp is None:
         raise ValueError("speculative decoding needs the DSpark head "
                          "(n_mtp_layers > 0, dspark_block_size > 0)")
@@ -325,17 +333,11 @@ def speculative_generate_batch(model, prompts: List[List[int]], max_new_tokens: 
     return completions, reasons, stats
 
 
-def speculative_generate(model, prompt_ids: List[int], max_new_tokens: int, eos_id: int,
-                         temperature: Optional[float] = None, k: Optional[int] = None,
-                         verify: str = "chunked", min_confidence: Optional[float] = None,
-                         draft_hook: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-                         token_types: Optional[List[int]] = None, images=None,
-                         prefill_chunk: Optional[int] = None) -> Tuple[List[int], SpecStats]:
+def speculative_generate(model, prompt_ids: List[int], budget: Budget, spec: SpecOptions = SpecOptions(),
+                         draft_hook: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None
+                         ) -> Tuple[List[int], SpecStats]:
     """One prompt -> (completion ids, statistics): speculative_generate_batch for a batch of 1, with a
     draft_hook taking and returning drafts [k], and decisions (accepted, next token) per step."""
     hook = None if draft_hook is None else (lambda pos, d: draft_hook(pos, d[0]).view(1, -1))
-    out, _, stats = speculative_generate_batch(model, [prompt_ids], max_new_tokens, eos_id, temperature, k,
-                                               verify, min_confidence, hook,
-                                               None if token_types is None else [token_types], images,
-                                               prefill_chunk)
+    out, _, stats = speculative_generate_batch(model, PromptBatch([prompt_ids]), budget, spec, hook)
     return out[0], replace(stats, decisions=[d[0] for d in stats.decisions])

@@ -30,13 +30,12 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from encoding.tokenizer import TokenizerError, load_tokenizer
+from encoding.tokenizer import TokenizerError
 from ..config import ConfigError, ModelArgs, RuntimeOptions
-from ..engine.checkpoint import (CheckpointError, check_checkpoint_dir, check_config_matches, check_writable,
-                                 load_model, shard_path)
+from ..engine.checkpoint import CheckpointError, check_writable, shard_path
 from ..engine.errors import InputError
-from ..engine.memory import rank_plan
-from ..engine.prefill import chunk_bounds, prefill_chunk_for
+from ..engine.prefill import chunk_bounds
+from ..engine.session import Session, add_checkpoint_flags, add_model_flags, model_args, runtime_options
 from ..engram import EngramError
 from ..parallel import ParallelContext, RankLog, run_and_shut_down
 from ..safetensors_io import build_header, manifest_path
@@ -51,9 +50,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def add_arguments(c) -> None:
     """The `corpus` subcommand's options (parity.py builds the parser)."""
     add = c.add_argument
-    add("--ckpt-path", required=True,
-        help="converted checkpoint: model{rank}-mp{W}.safetensors, tokenizer.json")
-    add("--config", required=True, help="inference config.json")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="UTF-8 text file (e.g. wikitext-2's wiki.test.raw), tokenized here")
     src.add_argument("--tokens", help="token ids instead: a JSON list, or a .kld file (its ids, e.g. a base "
@@ -70,19 +66,9 @@ def add_arguments(c) -> None:
     add("--bos", choices=["yes", "no"], default="yes", help="a BOS before the text and in place of each "
         "chunk's first token (llama.cpp's rule when the vocabulary adds one; default yes, as DeepSeek's "
         "encoding)")
-    add("--prefill-chunk", type=int, default=None,
-        help="positions per forward call (bounds memory at long --ctx)")
-    add("--numerics", default="reference", help="as generate.py: reference | golden, fixed, exact | fast | "
-        "invariant (comma-joined)")
-    add("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto")
-    add("--fix-index-k", action="store_true", help="fix the stale index-key cache defect")
-    add("--deterministic-topk", action="store_true", help="break exact top-k ties by lowest index")
-    add("--engram-on", choices=["device", "host", "disk"], default="device")
-    add("--offload", choices=["none", "disk"], default="none",
-        help="disk (CPU): stream blocks from the shard")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--threads", type=int, default=None, help="CPU threads per process (torchrun: 1)")
     add("--no-progress", action="store_true", help="no progress bar (a line per batch instead)")
+    add_checkpoint_flags(c)         # the loading flags of every command (engine/session.py)
+    add_model_flags(c)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -470,7 +456,8 @@ def _ppl(chunk_nll: List[List[float]]) -> Tuple[float, float, int]:
     return math.exp(m), math.exp(m) * unc, n
 
 
-def check_options(o) -> None:
+def check_options(o) -> RuntimeOptions:
+    """The corpus flags' checks, then every command's loading checks -> the runtime options."""
     checks = [(o.ctx < 3, f"--ctx must be at least 3 (one scored position), got {o.ctx}"),
               (o.batch < 1, f"--batch must be >= 1, got {o.batch}"),
               (o.chunks is not None and o.chunks < 1, f"--chunks must be >= 1, got {o.chunks}"),
@@ -478,14 +465,11 @@ def check_options(o) -> None:
               (o.kld_base and o.topk_out and os.path.abspath(o.kld_base) == os.path.abspath(o.topk_out),
                "--kld-base and --topk-out name the same file"),
               (o.topk_out and not o.topk_out.endswith(".safetensors"),
-               f"--topk-out {o.topk_out}: the compact file is safetensors: name it *.safetensors"),
-              (o.offload == "disk" and o.device != "cpu", f"--offload disk runs on the CPU (not {o.device})"),
-              (o.device.startswith("cuda") and not torch.cuda.is_available(),
-               f"--device {o.device}: CUDA is not available (use --device cpu)")]
+               f"--topk-out {o.topk_out}: the compact file is safetensors: name it *.safetensors")]
     for failed, message in checks:
         if failed:
             raise InputError(message)
-    RuntimeOptions.from_profile(o.numerics)
+    return runtime_options(o)
 
 
 def prepare(o, par: ParallelContext, tokenizer, margs: ModelArgs, log: RankLog):
@@ -509,8 +493,9 @@ def prepare(o, par: ParallelContext, tokenizer, margs: ModelArgs, log: RankLog):
         "tokenizer": {os.path.basename(p): sha256_file(p) for p in tok_files if os.path.isfile(p)},
         "checkpoint": checkpoint_identity(o.ckpt_path, par.world_size),
         "config_sha256": sha256_file(o.config),
-        "numerics": o.numerics, "kernel_backend": o.kernel_backend, "fix_index_k": o.fix_index_k,
-        "deterministic_topk": o.deterministic_topk, "engram_on": o.engram_on, "offload": o.offload,
+        "numerics": o.numerics, "kernel_backend": o.kernel_backend, "kernel_build": o.kernel_build,
+        "fix_index_k": o.fix_index_k, "deterministic_topk": o.deterministic_topk, "engram_on": o.engram_on,
+        "experts_on": o.experts_on, "cpu_linears": o.cpu_linears, "offload": o.offload,
         "device": o.device, "world_size": par.world_size, "threads": torch.get_num_threads(),
         "batch": o.batch, "prefill_chunk": o.prefill_chunk, "code_sha256": sources_sha256(),
         "torch": torch.__version__,
@@ -566,17 +551,10 @@ class Emitter:
 
 def run(o, log: RankLog) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_options(o)
-    check_checkpoint_dir(o.ckpt_path, world, need_eos=False)
-    margs = ModelArgs.from_file(o.config, max_seq_len=o.ctx, max_batch_size=o.batch, temperature=0.0)
-    margs.check_world_size(world)
-    check_config_matches(o.ckpt_path, margs, world, language_model_only=True)
-    if o.device.startswith("cuda") and world > 1:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if o.threads:
-        torch.set_num_threads(o.threads)
-    par = ParallelContext.from_env(o.device)
-    tokenizer = load_tokenizer(o.ckpt_path)
+    opts = check_options(o)
+    margs = model_args(o, world, need_eos=False, max_seq_len=o.ctx, max_batch_size=o.batch, temperature=0.0)
+    session = Session.start(o, log, margs, opts, language_model_only=True)
+    par, tokenizer = session.par, session.tokenizer
     rank0 = par.rank == 0
 
     box = []
@@ -591,7 +569,7 @@ def run(o, log: RankLog) -> None:
     manifest = None
     try:
         if start < n_chunk:
-            _score(o, par, margs, tokenizer, chunks, start, g, outputs, log)
+            _score(o, session, chunks, start, g, outputs, log)
         if rank0:
             ppl, unc, n = _ppl(outputs.chunk_nll)
             manifest = dict(identity, perplexity={"ppl": ppl, "uncertainty": unc, "positions": n},
@@ -609,16 +587,11 @@ def run(o, log: RankLog) -> None:
             outputs.close()
 
 
-def _score(o, par, margs, tokenizer, chunks, start, g: Geometry, outputs: Optional[Outputs], log) -> None:
-    rank0 = par.rank == 0
-    opts = RuntimeOptions.from_profile(o.numerics, deterministic_topk=o.deterministic_topk,
-                                       fix_index_k_publish=o.fix_index_k, kernel_backend=o.kernel_backend,
-                                       engram_on="disk" if o.offload == "disk" else o.engram_on)
-    plan = None if o.offload == "disk" else rank_plan(margs, par, opts, o.device, language_model_only=True)
-    prefill_chunk = prefill_chunk_for(o.prefill_chunk, margs, plan, o.device, log.info)
-    model = load_model(o.ckpt_path, margs, par, opts, o.device, tokenizer, True, log.info, offload=o.offload,
-                       plan=plan)
-    bos = None if o.bos == "no" else bos_id_of(o.ckpt_path, tokenizer)
+def _score(o, session: Session, chunks, start, g: Geometry, outputs: Optional[Outputs], log) -> None:
+    par, rank0 = session.par, session.par.rank == 0
+    loaded = session.load()
+    model, prefill_chunk = loaded.model, loaded.prefill_chunk
+    bos = None if o.bos == "no" else bos_id_of(o.ckpt_path, session.tokenizer)
     n_chunk, done_nll = chunks.shape[0], list(outputs.chunk_nll) if rank0 else []
     bar = None
     if rank0 and not o.no_progress:

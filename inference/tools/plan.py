@@ -19,7 +19,7 @@ chunks as generate.py picks them, or C), the host memory the node needs (the rou
 the Engram tables with --engram-on host, the expert kernel's workspace for a chunk); a CPU-only line (MP 1,
 everything in host memory, prefill chunks of C or 2,048 tokens, at --max-seq-len or 65,536 positions); and a
 batch-1 decode bound: the host's read bandwidth (--host-bandwidth GB/s, else measured with
-inference.tools.bench_experts.read_bandwidth) over the routed-expert bytes a token reads (top-k experts of
+inference.tools.bench.experts.read_bandwidth) over the routed-expert bytes a token reads (top-k experts of
 every MoE layer, at their stored bytes incl. scales); for the CPU-only run, over those and the other weights a
 token reads as the CPU path holds them (the main layers and the head; FP8/FP4 Linears as their fp32 copies:
 inference/engine/memory.py cpu_decode_read_bytes), 27.7 GB a token at the released size against 4.5 of
@@ -315,7 +315,7 @@ def host_bandwidth(given: Optional[float]) -> tuple:
         if not 0 < given < float("inf"):
             raise PlanError(f"--host-bandwidth must be a positive figure in GB/s, got {given:g}")
         return given, "given"
-    from .bench_experts import read_bandwidth
+    from .bench.experts import read_bandwidth
     return read_bandwidth(), "measured"
 
 
