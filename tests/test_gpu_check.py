@@ -1,4 +1,4 @@
-"""The device check, prepared on a CPU machine (inference/tools/gpu_check.py, run.sh; docs/cli.md §4.3): the
+"""The device check, prepared on a CPU machine (inference/tools/gpu_check/, run.sh; docs/cli.md §4.3): the
 CPU rehearsal of every phase, the budget table, the one-line answers without CUDA, and the wheels for an
 offline GPU host: packed in parts and installed from them (a fake wheel set, offline), and the real set
 downloaded by `bash run.sh wheels` (network to PyPI needed), installed into a private folder, imported in a
@@ -23,6 +23,7 @@ import pytest
 
 from conftest import ROOT
 from inference.tools import gpu_check
+from inference.tools.gpu_check import wheels as gpu_wheels     # its helpers, and where wheels_main looks
 
 RUN_SH = os.path.join(ROOT, "run.sh")
 CUDA_LINE = "gpu-check needs CUDA: no CUDA device is visible\n"
@@ -162,13 +163,13 @@ TILELANG_REQUIRES = [      # tilelang 0.1.15's Requires-Dist lines (a selection)
 
 
 def test_dependencies_read_from_metadata_for_the_hosts_python():
-    need = gpu_check._needed(TILELANG_REQUIRES, gpu_check.target_environment("3.12"), "tilelang")
+    need = gpu_wheels._needed(TILELANG_REQUIRES, gpu_check.target_environment("3.12"), "tilelang")
     assert [n for n, _, _ in need] == ["apache-tvm-ffi", "torch-c-dlpack-ext", "cloudpickle", "ml-dtypes",
                                        "psutil", "tqdm", "z3-solver"]
     assert ("apache-tvm-ffi", "<0.1.13,>=0.1.11", "tilelang") in need
-    need = gpu_check._needed(TILELANG_REQUIRES, gpu_check.target_environment("3.14"), "tilelang")
+    need = gpu_wheels._needed(TILELANG_REQUIRES, gpu_check.target_environment("3.14"), "tilelang")
     assert "torch-c-dlpack-ext" not in [n for n, _, _ in need]
-    roots = gpu_check._needed(gpu_check.project_requirements(), gpu_check.target_environment("3.12"), "r")
+    roots = gpu_wheels._needed(gpu_check.project_requirements(), gpu_check.target_environment("3.12"), "r")
     names = [n for n, _, _ in roots]
     assert names[0] == "tilelang" and ("tilelang", f"=={TILELANG_PIN}", "r") in roots
     assert not {"torch", "numpy", "pytest", "hypothesis", "pytest-xdist"} & set(names)
@@ -213,7 +214,7 @@ def packed(tmp_path_factory):
 
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr(gpu_check, "download_wheels", download)
+        mp.setattr(gpu_wheels, "download_wheels", download)      # where wheels_main reads it
         rc = gpu_check.main(["wheels", str(folder), "--pack", "--part-size", "64K"])
     assert rc == 0, out.getvalue()
     return folder, out.getvalue()
@@ -283,7 +284,7 @@ def test_packed_parts_install_into_a_private_folder(packed, tmp_path):
         again.stdout + again.stderr
     whole = gpu_check.archive_sources(f"{folder}.tar.xz")
     assert whole == ("w.tar.xz", [f"{folder}.tar.xz"])
-    gpu_check._unpack(whole[1], "test", str(tmp_path / "whole"))
+    gpu_wheels._unpack(whole[1], "test", str(tmp_path / "whole"))
     for f in (gpu_check.MANIFEST, probe.name, "torch-0.0.1-py3-none-any.whl"):
         assert (tmp_path / "whole" / f).read_bytes() == (unpacked / f).read_bytes()
 
@@ -355,7 +356,7 @@ def test_wheels_are_tilelang_and_what_it_needs_never_torch(wheels):
         assert r["file"].endswith(".whl") and (folder / r["file"]).is_file()
         _, _, requires = gpu_check.wheel_metadata(str(folder / r["file"]))
         requires += gpu_check.UNDECLARED.get(r["name"], [])
-        missing = {n for n, _, _ in gpu_check._needed(requires, env, r["name"])} - set(got)
+        missing = {n for n, _, _ in gpu_wheels._needed(requires, env, r["name"])} - set(got)
         assert not missing, f"{r['name']} needs {missing}"
 
 
@@ -434,10 +435,10 @@ def test_gpu_check_wheels_installs_into_the_private_folder(wheels, private_site)
     assert f"wheels: tilelang {TILELANG_PIN} imports from {site}" in out
     assert not (site / "torch").exists() and not (site / "numpy").exists()
     assert importlib.metadata.version("tilelang")       # the host's own install is untouched
-    host = gpu_check._host_versions(str(site))
+    host = gpu_wheels._host_versions(str(site))
     chosen, kept = gpu_check.choose_wheels(manifest["wheels"], host)
     chosen = {r["name"] for r in chosen}
     for r in manifest["wheels"]:
         spec = r["requirement"][len(r["name"]):]
-        allowed = r["name"] in host and gpu_check._satisfies(host[r["name"]], spec)
+        allowed = r["name"] in host and gpu_wheels._satisfies(host[r["name"]], spec)
         assert (r["name"] in chosen) != allowed and (f"{r['name']} {host.get(r['name'])}" in kept) == allowed

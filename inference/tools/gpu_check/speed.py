@@ -1,4 +1,4 @@
-"""The device check's `speed` phase (inference/tools/gpu_check.py runs it): a decode step's cost on the GPU.
+"""The device check's `speed` phase: a decode step's cost on the GPU.
 
 At the released widths with 2 and 4 layers (the released roles: a ratio-2 then a ratio-1 KV and index source,
 then ratio-1 layers reading them, one of them an index source restricted to the candidate blocks; 384 routed
@@ -11,8 +11,8 @@ GPU: no checkpoint is written), per kernel route:
   bandwidth (measured here by a device-to-device copy, and against the card's nominal figure);
 * prefill tokens/s at 1K and 8K tokens (batch 1);
 * the 2-layer model with --experts-on host: decode ms/step at batch 1 and 4, and the link's GB/s host to
-  device and back, pinned and pageable (the copy route's cross-over, moe.LINK_BYTES_PER_S, is an assumption
-  until this prints);
+  device and back, pinned and pageable (what the copy route's cross-over, LINK_BYTES_PER_S in
+  kernels/experts.py, assumes);
 * the host-expert kernel's decode GB/s at 1, 2, 4, 8 and 16 threads of the device host's cores.
 
 Every figure is printed, none asserted: the phase fails only when something raises. The rehearsal walks the
@@ -21,6 +21,8 @@ same code on the CPU at the fixture's widths (the captured step run eagerly, no 
 import dataclasses
 import os
 import time
+
+from .common import note
 
 NOMINAL_HBM_GBS = {"H200": 4800.0, "H100": 3350.0}
 SPEED_LAYERS = (2, 4)
@@ -32,15 +34,11 @@ HOST_THREADS = (1, 2, 4, 8, 16)
 REHEARSAL = dict(layers=(2,), batches=(1, 2), prefill=(16, 32), context=16, steps=2, threads=(1, 2))
 
 
-def note(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def speed_config(base: dict, layers: int) -> dict:
     """`base` (config.json keys: the released widths, or the fixture's in the rehearsal) cut to `layers`
     layers with the released roles, no DSpark or vision, one Engram layer with a 1,000-id vocabulary."""
-    from ..config import ModelArgs
-    from .synthetic import engram_table_sizes
+    from ...config import ModelArgs
+    from ..synthetic import engram_table_sizes
     ratios = [2, 1] + [1] * (layers - 2)
     index_sources = [0, 1] + ([2] if layers > 2 else [])
     cfg = dict(base, n_layers=layers, n_mtp_layers=0, dspark_block_size=0,
@@ -109,7 +107,7 @@ def count_launches(model, ids, pos: int) -> int:
     """Launches of one eager decode step on the model's device: the launch counter's dispatch mode on the
     real tensors, each TileLang kernel call counted as one (their wrappers are wrapped for the count)."""
     import contextlib
-    from .launches import DeviceOps, counting_tilelang
+    from ..bench.launches import DeviceOps, counting_tilelang
     counter = DeviceOps(model.ctx.device.split(":")[0])
     counter.phase = "decode"
     with contextlib.ExitStack() as stack:
@@ -124,8 +122,8 @@ def decode_speed(model, batch: int, context: int, steps: int, graphs: bool, gen,
     """(ms per eager step, ms per replayed step or None, launches of one eager step) at `batch` rows after
     a prefill of `context` tokens; the middle half of the steps (captures excluded)."""
     import torch
-    from ..engine.cuda_graph import GraphedDecode, bucket
-    from ..state import DecodeStep
+    from ...engine.cuda_graph import GraphedDecode, bucket
+    from ...state import DecodeStep
     device = model.ctx.device
     ids = torch.randint(4, 999, (batch, context + 2 * steps + 2), generator=gen).to(device)
     launches = None
@@ -157,9 +155,9 @@ def decode_speed(model, batch: int, context: int, steps: int, graphs: bool, gen,
 def phase_speed(ctx) -> bool:
     import torch
     from encoding.tokenizer import write_v41_tokenizer, load_tokenizer
-    from ..config import ModelArgs
-    from ..model import Transformer
-    from .synthetic import randomize
+    from ...config import ModelArgs
+    from ...model import Transformer
+    from ..synthetic import randomize
     device, clock, r = ctx.device, ctx.clock, ctx.rehearse
     layers_list = REHEARSAL["layers"] if r else SPEED_LAYERS
     batches = REHEARSAL["batches"] if r else SPEED_BATCHES
@@ -212,7 +210,7 @@ def phase_speed(ctx) -> bool:
                           else f"{graphed:7.2f} ms replayed" if graphed else "(no graphs)")
                 note(f"speed {layers} layers {backend:8s} batch {batch:2d}: decode {eager:7.2f} ms eager, "
                      f"{replay}, {launches} launches a step, {read / 1e9:.2f} GB of weights a step{share}")
-            del model
+            model = None                        # freed before the next model is built
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
     _host_experts_speed(ctx, base, tokenizer, context, steps, gen)
@@ -222,10 +220,9 @@ def phase_speed(ctx) -> bool:
 
 def _host_experts_speed(ctx, base: dict, tokenizer, context: int, steps: int, gen) -> None:
     """The 2-layer model with its routed experts in host memory: decode ms/step at batch 1 and 4."""
-    import torch
-    from ..config import ModelArgs
-    from ..model import Transformer
-    from .synthetic import randomize
+    from ...config import ModelArgs
+    from ...model import Transformer
+    from ..synthetic import randomize
     if ctx.clock.left() < 30:
         note("speed: out of time, skipped the experts in host memory")
         return
@@ -244,8 +241,8 @@ def _host_experts_speed(ctx, base: dict, tokenizer, context: int, steps: int, ge
 def _host_kernel_threads(threads, steps: int) -> None:
     """The host-expert kernel's decode (6 random experts of the released size a step) at each thread count."""
     import torch
-    from ..kernels import host_experts as he
-    from .bench_experts import decode, random_experts
+    from ...kernels import host_experts as he
+    from ..bench.experts import decode, random_experts
     gen = torch.Generator().manual_seed(0)
     experts = random_experts(32, gen)
     buf = torch.ones(1 << 26)
