@@ -42,7 +42,8 @@ usage: bash run.sh [demo | test | gpu-check | wheels | convert | verify | genera
                           CKPT=/path/to/converted bash run.sh generate --interactive
 
 environment for generate (defaults in brackets):
-  MP [8]                model-parallel degree = total number of processes: 1, 2, 4 or 8
+  MP [8]                model-parallel degree = total number of processes; it must divide the config's
+                        head, group and expert counts (the released config: 1, 2, 4 or 8)
   NODES [1]             number of nodes (MP must be divisible by NODES), e.g. MP=8 NODES=2: 2 x 4 GPUs
   NODE_RANK [0]         rank of this node
   MASTER_ADDR [127.0.0.1], MASTER_PORT [29500]
@@ -147,10 +148,17 @@ launch_generate() {
     [[ "$nodes" =~ ^[0-9]+$ && "$nodes" -ge 1 ]] || die "NODES must be a positive integer, got '$nodes'"
     [[ "$node_rank" =~ ^[0-9]+$ && "$node_rank" -lt "$nodes" ]] \
         || die "NODE_RANK must be an integer in 0..$((nodes - 1)), got '$node_rank'"
-    case "$mp" in
-        1 | 2 | 4 | 8) ;;
-        *) die "MP must be one of 1, 2, 4, 8 (it must divide o_groups = 8), got $mp" ;;
-    esac
+    (( mp >= 1 )) || die "MP must be a positive integer, got '$mp'"
+    if [ -f "$config" ]; then   # the config's own check (ModelArgs.check_world_size), as generate.py makes it
+        local fits
+        fits=$("$PY" -c 'import sys
+from inference.config import ConfigError, ModelArgs
+try:
+    ModelArgs.from_file(sys.argv[1]).check_world_size(int(sys.argv[2]))
+except ConfigError as e:
+    print(e)' "$config" "$mp" 2>&1) || die "cannot read $config: $fits"
+        [ -z "$fits" ] || die "MP=$mp does not fit $config: $fits"
+    fi
     (( mp % nodes == 0 )) || die "MP=$mp is not divisible by NODES=$nodes"
     local launcher=(-m torch.distributed.run) multi=()
     if (( nodes > 1 )); then   # torchrun behind a node join that names a node that does not come
@@ -168,7 +176,7 @@ launch_generate() {
             die "MASTER_ADDR=$addr is a loopback address ($resolved), which the other nodes cannot reach:" \
                 "set node 0's network address (ALLOW_LOOPBACK=1: all nodes on this machine)"
         fi
-        launcher=(-m inference.tools.launch)
+        launcher=(-m inference.engine.launch)
         multi=(--rdzv-conf "timeout=$join")
     fi
     [ -n "$ckpt" ] || die "set CKPT=/path/to/converted/checkpoint (or pass --ckpt-path)"

@@ -5,14 +5,13 @@ and its rollback, a speculative step, the Engram tables on the host and on disk,
 on the fixture's shapes and on the released widths (two layers). An op that mixes a cuda and a cpu tensor
 raises FakeTensorDeviceMismatchError. Every read of a value on the host (item, tolist, bool, int, a nonzero,
 a bincount, a boolean-mask index, a copy to the host, cuda.synchronize) is recorded with its call site by the
-launch counter's recorder (inference/tools/launches.py), which hands back a stand-in (a bincount's selections
-spread over the experts, empty masks) so that the run goes on; each phase's set is compared with the one kept
-here, so a new sync fails the test. A decode step has none. The TileLang
+launch counter's recorder (inference/tools/bench/launches.py), which hands back a stand-in (a bincount's
+selections spread over the experts, empty masks) so that the run goes on; each phase's set is compared
+with the one kept here, so a new sync fails the test. A decode step has none. The TileLang
 wrappers' argument checks run on fake CUDA tensors with their kernels stubbed.
 
 A CUDA build of torch is needed (PyPI's Linux wheels; no GPU): the CPU-only build cannot index a tensor of
 another device, fake or not. `.ci/run` runs this file in its CUDA-build environment."""
-import collections
 import contextlib
 import json
 import os
@@ -32,10 +31,10 @@ FAST = "reference"            # the default order on CUDA is the fast one
 
 @contextmanager
 def fake_cuda(monkeypatch):
-    """The launch counter's recorder (inference/tools/launches.py DeviceOps) inside its fake CUDA: every
+    """The launch counter's recorder (inference/tools/bench/launches.py DeviceOps) inside its fake CUDA: every
     host sync recorded per phase (rec.phase) with its call site (rec.syncs), each op counted (rec.ops);
     reads of values on the host get stand-ins so that the run goes on."""
-    from inference.tools.launches import DeviceOps, fake_cuda as fake
+    from inference.tools.bench.launches import DeviceOps, fake_cuda as fake
     rec = DeviceOps("cuda", stand_in=True)
     with fake(rec), rec:
         yield rec
@@ -118,7 +117,8 @@ def factory_checked_stub(calls=None):
 def run_phases(rec, model, prompt=24, batch=2):
     """What a GPU run runs, phase by phase; the recorder's phase names the step."""
     from inference.engine import generation, scoring
-    from inference.engine.speculative import speculative_generate_batch
+    from inference.engine.batch import Budget, PromptBatch
+    from inference.engine.speculative import SpecOptions, speculative_generate_batch
     v = model.args.vocab_size
     ids = torch.randint(4, v - 8, (batch, prompt + 8), device="cuda")
     rec.phase = "prefill"
@@ -135,14 +135,15 @@ def run_phases(rec, model, prompt=24, batch=2):
     generation.prefill(model, ids[:, :prompt], chunk=10, temperature=0.0)
     if model.mtp is not None:
         rec.phase = "speculative (prefill, then one step)"
-        speculative_generate_batch(model, [[5] * prompt] * batch, 6, -1, 0.0, 2)
+        speculative_generate_batch(model, PromptBatch([[5] * prompt] * batch), Budget(6, -1),
+                                   SpecOptions(0.0, 2))
     rec.phase = "scoring loop"
     scoring.score(model, [[5] * (prompt + 3)] * batch, prompt)
     return dict(rec.syncs)
 
 
-LOOPED = {("bincount", "inference/moe.py:active_counts"),
-          ("value read on the host (tolist)", "inference/moe.py:active_counts")}
+LOOPED = {("bincount", "inference/kernels/experts.py:active_counts"),
+          ("value read on the host (tolist)", "inference/kernels/experts.py:active_counts")}
 EXPECTED_FAST = {
     # decode steps (greedy and sampled), the extend and its rollback: none
     # a prefill's routed experts loop over the active experts: their counts are read once per MoE layer
@@ -357,28 +358,51 @@ def test_the_step_a_cuda_graph_captures_reads_no_position_on_the_host(tokenizers
     assert counts[40] == counts[42] and counts[41] == counts[43], counts
 
 
-def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatch, tmp_path):
+def test_the_device_checks_in_process_phases_on_fake_cuda(tokenizers, monkeypatch, tmp_path, capsys):
     """What the device check runs in its own process on the GPU, on fake CUDA: the speed phase's timed
     decode steps and its launch count of one (its token ids must reach the model's device: the Engram lookup
     mixes them with CUDA tables) and the cudagraph phase's model and steps (the captured step run eagerly,
     as in the rehearsal: no graph on fake tensors; the checkpoint's values are not loaded: fake tensors hold
-    none)."""
+    none).
+    What this proves: both phases run on CUDA tensors without a device mismatch, and the cudagraph phase
+    compares what it should (each batch's steps of fp32 logits brought to the host, [steps, batch, vocab])
+    and turns the comparison into its verdict and its line. Fake tensors hold no values, so whether the
+    logits agree is the device's to say: the comparison is answered here, once equal, once not."""
     from inference.engine import checkpoint
-    from inference.tools import gpu_check, gpu_speed
+    from inference.tools import gpu_check
+    from inference.tools.gpu_check import cudagraph, speed
 
     class OnFakeCuda(gpu_check.Ctx):
         device = property(lambda self: "cuda")
 
+    prompt, steps = 31, 2                           # across the 32 bucket, both parities
+    compared, answer = [], [True]
+
+    def equal(a, b):                                # fake logits have no values: record what is compared
+        compared.append([(t.shape, t.dtype, t.device.type) for t in (a, b)])
+        return answer[0]
+
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda model, path: None)
-    monkeypatch.setattr(torch, "equal", lambda a, b: True)          # fake logits have no values to compare
-    monkeypatch.setattr(gpu_check, "REHEARSAL_CUDAGRAPH", (31, 2))   # across the 32 bucket, both parities
+    monkeypatch.setattr(torch, "equal", equal)
+    monkeypatch.setattr(cudagraph, "REHEARSAL_CUDAGRAPH", (prompt, steps))
 
     with fake_cuda(monkeypatch):
         model = build(fixture_shaped(), tokenizers["fixture"], deterministic_topk=True)
-        eager, replayed, launches = gpu_speed.decode_speed(model, 2, 16, 2, False, torch.Generator(), True)
+        eager, replayed, launches = speed.decode_speed(model, 2, 16, 2, False, torch.Generator(), True)
         assert eager > 0 and replayed > 0 and launches > 100
         ctx = OnFakeCuda({}, FIXTURE, str(tmp_path), gpu_check.Clock(600), rehearse=True)
-        gpu_check.phase_cudagraph(ctx)
+        capsys.readouterr()
+        assert gpu_check.phase_cudagraph(ctx) is True
+        agreed = capsys.readouterr().out
+        answer[0] = False
+        assert gpu_check.phase_cudagraph(ctx) is False
+        differed = capsys.readouterr().out
+    vocab = fixture_shaped().vocab_size
+    assert compared == [[((steps, batch, vocab), torch.float32, "cpu")] * 2 for batch in (1, 4)] * 2
+    for batch in (1, 4):
+        assert f"cudagraph batch {batch}: {steps} steps from position {prompt}" in agreed
+    assert agreed.count("identical logits") == 2 and "DIFFER" not in agreed
+    assert differed.count("logits DIFFER") == 2
 
 
 # the routing, its weights and the tokens copied into pinned buffers, then one wait for the three copies
@@ -390,15 +414,15 @@ HOST_EXPERTS = {("copy to the host", "inference/kernels/host_experts.py:PinnedSt
 def test_experts_on_the_host_beside_a_gpu(copy, tokenizers, monkeypatch):
     """--experts-on host on a GPU: the routed experts' tensors on the CPU, everything else on `cuda`; no
     device mismatch, and a decode step's only syncs are the routing's trip to the host (one wait per MoE
-    layer for its three copies into pinned buffers, ModelContext.host_stage).
+    layer for its three copies into pinned buffers, HostExperts' PinnedStage).
     The host kernel's torch path runs on the fake CPU tensors (the native one reads real memory); the
     routing's counts, read on the host, are stood in for. Both routes: the kernel, and the active experts
     copied over."""
-    from inference import moe
+    from inference.kernels import experts
     monkeypatch.setenv("DSV4_HOST_EXPERTS", "torch")
     # the routing read on the host (fake values): every selection on the first expert, so the kernel runs
-    monkeypatch.setattr(moe, "active_counts", lambda idx, n: [idx.numel()] + [0] * (n - 1))
-    monkeypatch.setattr(moe, "prefers_copy", lambda *a: copy)
+    monkeypatch.setattr(experts, "active_counts", lambda idx, n: [idx.numel()] + [0] * (n - 1))
+    monkeypatch.setattr(experts, "prefers_copy", lambda *a: copy)
     with fake_cuda(monkeypatch) as rec:
         model = build(fixture_shaped(), tokenizers["fixture"], experts_on="host")
         routed = {id(p) for n, p in model.named_parameters() if ".experts." in n}
@@ -420,6 +444,7 @@ def test_generation_replays_decode_steps_from_cuda_graphs_by_default(tokenizers,
     stream, captures it and replays it at the positions that follow (torch's stream, graph and capture
     calls stood in for: fake tensors have no driver). A mode that cannot use graphs says so in one line."""
     from inference.engine import generation
+    from inference.engine.batch import Budget, PromptBatch
     from inference.engine.cuda_graph import GraphedDecode, choose_graphs
 
     class Stub:
@@ -452,7 +477,7 @@ def test_generation_replays_decode_steps_from_cuda_graphs_by_default(tokenizers,
         model = build(args, tokenizers["fixture"], deterministic_topk=True)
         graphed = GraphedDecode(model)
         prompts = [[5 + i for i in range(252)], [7 + i for i in range(250)]]
-        generation.generate(model, prompts, 10, -1, graphs=graphed)
+        generation.generate(model, PromptBatch(prompts), Budget(10, -1), graphs=graphed)
     # decode steps at positions 250..260 of a batch of 2 (the longer prompt teacher-forced): buckets 256 and
     # 320 (max_seq_len), both parities, each captured once and replayed at the rest
     assert sorted(graphed.graphs) == [(2, 256, 0), (2, 256, 1), (2, 320, 0), (2, 320, 1)]

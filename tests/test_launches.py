@@ -1,4 +1,4 @@
-"""The launch counter (inference/tools/launches.py, `python -m inference.tools.bench launches`): today's
+"""The launch counter (inference/tools/bench/launches.py, `python -m inference.tools.bench launches`): today's
 counts of a decode step and of a prefill call pinned as upper bounds, per shape, route and batch, so that a
 change that adds device work to a step fails here (a count, not a timing); a CUDA decode step reads nothing
 on the host. The CUDA routes run on fake CUDA tensors (a CUDA build of torch, no GPU; .ci/run's oldest end
@@ -35,7 +35,7 @@ BOUNDS = {
 
 
 def check(shape, route, batch, prompt=301):
-    from inference.tools.launches import count_route
+    from inference.tools.bench.launches import count_route
     got = count_route(shape, route, batch, prompt)
     decode, prefill = BOUNDS[(shape, route, batch)]
     print(shape, route, batch, "decode", got["decode"]["launches"], "prefill", got["prefill"]["launches"])
@@ -52,8 +52,8 @@ def test_cuda_routes_on_the_fixture(route, batch):
     assert got["decode"]["syncs"] == 0, got["decode"]["sync_sites"]
     # the prefill's routed experts read their counts once per MoE layer: a bincount and its list
     assert set(got["prefill"]["sync_sites"]) == {
-        "bincount at inference/moe.py:active_counts",
-        "value read on the host (tolist) at inference/moe.py:active_counts"}
+        "bincount at inference/kernels/experts.py:active_counts",
+        "value read on the host (tolist) at inference/kernels/experts.py:active_counts"}
 
 
 @needs_cuda_build

@@ -50,14 +50,14 @@ def test_generate_dry_run_builds_the_torchrun_command(ckpt):
     assert cmd[cmd.index("--master-addr") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--ckpt-path") + 1] == str(ckpt) and cmd[-1] == "--interactive"
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--rdzv-conf" not in cmd
-    # Two nodes: one process per node, behind the node join (inference.tools.launch) with JOIN_TIMEOUT as the
+    # Two nodes: one process per node, behind the node join (inference.engine.launch) with JOIN_TIMEOUT as the
     # rendezvous timeout; --ckpt-path on the command line wins over CKPT and is not repeated.
     proc = run_sh("generate", "--ckpt-path", str(ckpt), "--input-file", "p.txt",
                   env={**env, "NODES": "2", "NODE_RANK": "1", "CKPT": "/nonexistent",
                        "MASTER_ADDR": "10.0.0.1", "JOIN_TIMEOUT": "42"})
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.split()
-    assert cmd[1:3] == ["-m", "inference.tools.launch"] and cmd[cmd.index("--rdzv-conf") + 1] == "timeout=42"
+    assert cmd[1:3] == ["-m", "inference.engine.launch"] and cmd[cmd.index("--rdzv-conf") + 1] == "timeout=42"
     assert cmd[cmd.index("--nproc-per-node") + 1] == "1" and cmd[cmd.index("--node-rank") + 1] == "1"
     assert cmd[cmd.index("--master-addr") + 1] == "10.0.0.1" and cmd.count("--ckpt-path") == 1
     # Several "nodes" on this machine: loopback only with the override.
@@ -68,8 +68,9 @@ def test_generate_dry_run_builds_the_torchrun_command(ckpt):
 
 
 @pytest.mark.parametrize("env,message", [
-    ({"MP": "3"}, "MP must be one of 1, 2, 4, 8"),
-    ({"MP": "16"}, "MP must be one of 1, 2, 4, 8"),
+    ({"MP": "3"}, "MP=3 does not fit ./config.json: world size 3 does not divide vocab_size = 129280"),
+    ({"MP": "16"}, "MP=16 does not fit ./config.json: world size 16 does not divide o_groups = 8"),
+    ({"MP": "0"}, "MP must be a positive integer, got '0'"),
     ({"MP": "two"}, "MP must be a positive integer"),
     ({"MP": "2", "NODES": "4"}, "MP=2 is not divisible by NODES=4"),
     ({"MP": "2", "NODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be an integer in 0..1"),

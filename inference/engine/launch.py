@@ -1,8 +1,8 @@
-"""The launcher of a multi-node run, `python -m inference.tools.launch TORCHRUN_ARGS` (run.sh generate uses it
-when NODES > 1): every node first arrives at node 0's MASTER_ADDR:MASTER_PORT, and only then does torchrun
-start, reusing node 0's store for its static rendezvous (no second port). A node missing after the
-rendezvous timeout (--rdzv-conf timeout=S, run.sh's JOIN_TIMEOUT) is named in one line, with its ranks and
-the address waited on; without this, node 0 waits in silence and ends with a traceback."""
+"""The launcher of a multi-node run, `python -m inference.engine.launch TORCHRUN_ARGS` (run.sh generate uses
+it when NODES > 1): every node first arrives at node 0's MASTER_ADDR:MASTER_PORT, and only then does torchrun
+start, reusing node 0's store for its static rendezvous (no second port). A node missing after the rendezvous
+timeout (--rdzv-conf timeout=S, run.sh's JOIN_TIMEOUT) is named in one line, with its ranks and the address
+waited on; without this, node 0 waits in silence and ends with a traceback."""
 import sys
 import time
 from datetime import timedelta

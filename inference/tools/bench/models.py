@@ -2,7 +2,7 @@
 
     python -m inference.tools.bench                       # tiny (fixture-shaped) and large random models
     python -m inference.tools.bench --models large --contexts 1024,8192 --decode-steps 8
-    python -m inference.tools.bench experts [--json]      # the CPU routed-expert kernel (bench_experts.py)
+    python -m inference.tools.bench -h                    # the other subcommands (experts, convert, ...)
 
 Each model is a synthetic random checkpoint in the real formats (tools/synthetic.py + convert.py, cached
 under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
@@ -10,55 +10,23 @@ under --workdir), with the real DeepSeek tokenizer. Figures are printed, never a
 import argparse
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from ..config import ModelArgs, RuntimeOptions
-from .synthetic import engram_table_sizes
-
-# A model shaped like tests/fixtures/reference-tiny (every layer role), with the real vocabulary.
-TINY = dict(vocab_size=129280, dim=256, n_layers=8, n_mtp_layers=2, n_heads=4, head_dim=128, rope_head_dim=32,
-            q_lora_rank=128, o_groups=2, o_lora_rank=64, moe_inter_dim=128, n_routed_experts=8,
-            n_activated_experts=3, window_size=64, compress_ratios=[0, 2, 2, 1, 1, 1, 1, 1, 0, 0],
-            kv_source_layers=[1, 3], index_source_layers=[1, 3, 5, 7], candidate_source_layer=3,
-            index_n_heads=16, index_head_dim=64, index_topk=512, candidate_topk_blocks=64,
-            candidate_block_size=8, engram_layer_ids=[0, 1], engram_vocab_size=1000, engram_n_heads=2,
-            engram_head_dim=32, engram_num_embeddings=[6126, 6332], engram_compressed_vocab_size=99092,
-            dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=[5, 6, 7],
-            dspark_markov_rank=64, dspark_n_routed_experts=4, dspark_n_activated_experts=2)
-# A larger one: released head geometry, width 1024, 8 layers, 32 experts.
-LARGE = dict(TINY, dim=1024, n_heads=8, head_dim=512, rope_head_dim=64, q_lora_rank=512, o_groups=4,
-             o_lora_rank=512, moe_inter_dim=512, n_routed_experts=32, n_activated_experts=6, window_size=128,
-             index_n_heads=32, index_head_dim=128, candidate_topk_blocks=2048, engram_head_dim=256,
-             engram_n_heads=8, engram_num_embeddings=None, dspark_markov_rank=256, dspark_n_routed_experts=8)
-MODELS = {"tiny": TINY, "large": LARGE}
-
-
-def make_args(name: str, max_seq_len: int) -> ModelArgs:
-    cfg = dict(MODELS[name])
-    if cfg["engram_num_embeddings"] is None:      # the sums of the first primes above engram_vocab_size
-        cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
-    return ModelArgs.from_dict(cfg, max_seq_len=max_seq_len, max_batch_size=1, temperature=0.0)
+from ...config import ConfigError, ModelArgs, RuntimeOptions
+from ...engine.errors import InputError
+from ...engine.session import add_model_flags, runtime_options
+from .common import make_args, synthetic_checkpoint
 
 
 def build(name: str, args: ModelArgs, workdir: str, device: str, opts: RuntimeOptions = None):
     """Synthetic HF checkpoint -> convert.py at MP 1 -> Transformer (all cached in workdir)."""
     from encoding.tokenizer import load_tokenizer
-    from ..engine.checkpoint import load_checkpoint
-    from ..model import Transformer
-    from .synthetic import write_synthetic_checkpoint
-    hf, ckpt = os.path.join(workdir, f"{name}-hf"), os.path.join(workdir, f"{name}-mp1")
-    if not os.path.exists(os.path.join(hf, "model.safetensors.index.json")):
-        write_synthetic_checkpoint(args, hf, seed=0, shards=2)
-    if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
-        # convert.py as a user runs it (a tool never imports a CLI)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        subprocess.run([sys.executable, os.path.join(root, "convert.py"), "--hf-ckpt-path", hf,
-                        "--save-path", ckpt, "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
+    from ...engine.checkpoint import load_checkpoint
+    from ...model import Transformer
+    ckpt = synthetic_checkpoint(name, args, workdir, shards=2)
     model = Transformer(args, opts=opts, device=device, tokenizer=load_tokenizer(ckpt))
     load_checkpoint(model, ckpt)
     return model
@@ -126,31 +94,26 @@ def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: i
     return f"self CPU per decode step {total:.1f} ms: " + ", ".join(rows)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["experts"]:                  # the CPU routed-expert kernel: its own options
-        from .bench_experts import main as experts_main
-        return experts_main(argv[1:])
-    if argv[:1] == ["launches"]:                 # device ops and host syncs per step: its own options
-        from .launches import main as launches_main
-        return launches_main(argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m inference.tools.bench models", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
     ap.add_argument("--contexts", default="1024,8192", help="prompt lengths to decode after")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps measured per context")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dsv41-bench"),
                     help="where the synthetic checkpoints are cached")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    ap.add_argument("--numerics", default="reference",
-                    help="generate.py's --numerics words: reference (exact order on CPU), fast (loop-free "
-                         "kernels), invariant (the same bits on every machine), ...")
-    ap.add_argument("--kernel-backend", choices=["auto", "torch", "tilelang"], default="auto")
-    ap.add_argument("--engram-on", choices=["device", "host", "disk"], default="device",
-                    help="where the Engram tables live; host/disk copy the looked-up rows (bytes reported)")
     ap.add_argument("--profile", action="store_true", help="also profile decode steps (torch.profiler): "
                     "self CPU ms per step and the ops that took most")
-    opts = ap.parse_args(argv)
+    add_model_flags(ap)                    # generate.py's numerics and placement flags, refused alike
+    return ap
+
+
+def main(argv=None):
+    opts = build_parser().parse_args(argv)
+    try:
+        runtime = runtime_options(opts)
+    except (InputError, ConfigError) as e:
+        raise SystemExit(f"bench models: {e}")
     if opts.threads:
         torch.set_num_threads(opts.threads)
     contexts = [int(c) for c in opts.contexts.split(",")]
@@ -160,8 +123,6 @@ def main(argv=None):
           f"{opts.numerics}, kernel backend {opts.kernel_backend}")
     for name in opts.models.split(","):
         args = make_args(name, max(contexts) + opts.decode_steps + 8)
-        runtime = RuntimeOptions.from_profile(opts.numerics, kernel_backend=opts.kernel_backend,
-                                              engram_on=opts.engram_on)
         model = build(name, args, opts.workdir, opts.device, runtime)
         per_token = weight_bytes_per_token(model)
         print(f"[{name}] dim {args.dim}, {args.n_layers} layers, {args.n_routed_experts} experts, "
@@ -184,6 +145,3 @@ def main(argv=None):
         print(f"[{name}] peak memory so far: {peak:.2f} GiB")
         del model
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
 """Benchmark `--offload disk`: a prefill streamed from a checkpoint several times larger than the memory the
 run may use, and streamed vs in-memory prefill on a model that fits. Figures are printed, never asserted.
 
-    python -m inference.tools.bench_offload                      # both parts, defaults below
-    python -m inference.tools.bench_offload --part big --mem-limit-gb 2 --tokens 2048
+    python -m inference.tools.bench offload                      # both parts, defaults below
+    python -m inference.tools.bench offload --part big --mem-limit-gb 2 --tokens 2048
 
-big: bench.py's "large" model (dim 1024, released head geometry) deepened to --layers blocks of --experts
+big: `models`' "large" model (dim 1024, released head geometry) deepened to --layers blocks of --experts
 routed experts of width --moe-inter-dim, written once under --workdir (7.3 GiB with the defaults). The
 prefill runs in a child process inside a memory cgroup limited to --mem-limit-gb (cgroup v2 memory.max or
 v1 memory.limit_in_bytes; page cache counts against it too); without a usable cgroup the run says so and is
@@ -27,15 +27,14 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .common import ROOT, drop_cache, make_args, synthetic_checkpoint
 
 
 def big_args(n_layers: int, experts: int, inter: int, max_seq_len: int):
-    """bench.py's "large" model with n_layers blocks (the layer roles of bench_convert.py's scaled configs) of
-    `experts` routed experts of width `inter`."""
-    from .bench import make_args
-    from .bench_convert import layer_roles
-    from ..config import ModelArgs
+    """The models subcommand's "large" model with n_layers blocks (the layer roles of the convert
+    subcommand's scaled configs) of `experts` routed experts of width `inter`."""
+    from .convert import layer_roles
+    from ...config import ModelArgs
     base = {k: v for k, v in vars(make_args("large", max_seq_len)).items() if not k.startswith("_")}
     return ModelArgs.from_dict(dict(
         base, **layer_roles(n_layers, base["n_mtp_layers"]), n_routed_experts=experts, moe_inter_dim=inter,
@@ -43,21 +42,17 @@ def big_args(n_layers: int, experts: int, inter: int, max_seq_len: int):
 
 
 def ensure_checkpoint(name: str, args, workdir: str) -> str:
-    """Synthetic HF checkpoint -> convert.py at MP 1 (cached); returns the converted directory."""
-    from .synthetic import write_synthetic_checkpoint
-    hf, ckpt = os.path.join(workdir, f"{name}-hf"), os.path.join(workdir, f"{name}-mp1")
-    if not os.path.exists(os.path.join(ckpt, "model0-mp1.safetensors")):
-        print(f"writing the synthetic checkpoint {hf} (once) ...", flush=True)
-        write_synthetic_checkpoint(args, hf, seed=0, shards=4)
-        subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), "--hf-ckpt-path", hf, "--save-path",
-                        ckpt, "--model-parallel", "1"], check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(ckpt, "bench_config.json"), "w") as f:
+    """Synthetic HF checkpoint -> convert.py at MP 1 (cached); returns the converted directory, with the
+    config beside it (bench_config.json): the child process rebuilds the model from it."""
+    ckpt = synthetic_checkpoint(name, args, workdir, shards=4, log=lambda m: print(m, flush=True))
+    config = os.path.join(ckpt, "bench_config.json")
+    if not os.path.exists(config):
+        with open(config, "w") as f:
             json.dump({k: v for k, v in vars(args).items() if not k.startswith("_")}, f)
     return ckpt
 
 
 def evict(path: str) -> None:
-    from .bench_convert import drop_cache
     drop_cache([path])
 
 
@@ -112,9 +107,9 @@ def child(opts) -> None:
     """Runs inside the limit: load (streamed or in memory), prefill once, print one JSON line."""
     import torch
     from encoding.tokenizer import load_tokenizer
-    from ..config import ModelArgs, RuntimeOptions
-    from ..engine.checkpoint import load_model
-    from ..parallel import ParallelContext
+    from ...config import ModelArgs, RuntimeOptions
+    from ...engine.checkpoint import load_model
+    from ...parallel import ParallelContext
     if opts.threads:
         torch.set_num_threads(opts.threads)
     with open(os.path.join(opts.ckpt, "bench_config.json")) as f:
@@ -152,7 +147,7 @@ def child(opts) -> None:
 def run_child(ckpt: str, offload: str, opts, limit_gb: float = 0.0) -> dict:
     shard = os.path.join(ckpt, "model0-mp1.safetensors")
     evict(shard)
-    cmd = [sys.executable, "-m", "inference.tools.bench_offload", "--child", "--ckpt", ckpt, "--offload",
+    cmd = [sys.executable, "-m", "inference.tools.bench", "offload", "--child", "--ckpt", ckpt, "--offload",
            offload, "--tokens", str(opts.tokens), "--numerics", opts.numerics, "--threads", str(opts.threads),
            "--repeat", str(opts.repeat)]
     group, preexec = None, None
@@ -206,15 +201,15 @@ def describe(tag: str, r: dict) -> str:
 
 def meta_model(args):
     """The MP 1 model on the meta device, as streamed (Engram on disk, no DSpark head): shapes only."""
-    from ..config import RuntimeOptions
-    from ..engine.memory import build_meta_model
+    from ...config import RuntimeOptions
+    from ...engine.memory import build_meta_model
     return build_meta_model(args, 1, 0, RuntimeOptions(engram_on="disk"), build_dspark=False)
 
 
 def weight_macs_per_token(args, model=None) -> float:
     """Multiply-adds per token in the weight GEMMs of one forward (every block, the head; routed experts at
     their activated share). Attention scores and the indexer are left out: a lower bound on the work."""
-    from ..layers import Linear
+    from ...layers import Linear
     model = model or meta_model(args)
     share = args.n_activated_experts / args.n_routed_experts
     macs = float(args.vocab_size * args.dim)                                         # the head
@@ -227,7 +222,7 @@ def weight_macs_per_token(args, model=None) -> float:
 def released_estimate(config_path: str, tokens: int, gmacs: float, disk_gbps: float) -> str:
     """What a prefill of `tokens` through the released model (config.json) takes streamed at MP 1, at a
     machine's measured weight-GEMM rate and disk bandwidth: per block, the read overlaps the compute."""
-    from ..config import ModelArgs
+    from ...config import ModelArgs
     args = ModelArgs.from_file(config_path)
     model = meta_model(args)
     block = max(sum(p.nbytes for n, p in layer.named_parameters() if not n.startswith("engram."))
@@ -242,7 +237,8 @@ def released_estimate(config_path: str, tokens: int, gmacs: float, disk_gbps: fl
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m inference.tools.bench offload", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=["big", "fit", "both"], default="both")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dsv41-bench"))
     ap.add_argument("--tokens", type=int, default=2048, help="prefill length (default 2048)")
@@ -285,7 +281,6 @@ def main(argv=None):
                 print(f"  with {scale * cores} such cores and a {gbps:.0f} GB/s disk: "
                       + released_estimate(released, opts.tokens, scale * gmacs, gbps))
     if opts.part in ("fit", "both"):
-        from .bench import make_args
         args = make_args("large", opts.tokens + 8)
         ckpt = ensure_checkpoint("offload-large", args, opts.workdir)
         shard = os.path.join(ckpt, "model0-mp1.safetensors")
@@ -298,6 +293,3 @@ def main(argv=None):
         if "error" not in memory and "error" not in disk:
             print(f"  streamed / in-memory prefill speed: {disk['tok_s'] / memory['tok_s']:.2f}")
 
-
-if __name__ == "__main__":
-    main()

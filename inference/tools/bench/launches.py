@@ -40,9 +40,9 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..config import ModelArgs, RuntimeOptions
+from ...config import ModelArgs, RuntimeOptions
+from .common import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE_CONFIG = os.path.join(ROOT, "tests", "fixtures", "reference-tiny", "config.json")
 RELEASED_CONFIG = os.path.join(ROOT, "config.json")
 SHAPES = ("fixture", "released")
@@ -179,13 +179,13 @@ class DeviceOps(TorchDispatchMode):
 
 def module_kind(name: str, module: torch.nn.Module) -> Optional[str]:
     """The kind of a model's submodule (None: its parent's)."""
-    from ..attention import Attention
-    from ..block import Block
-    from ..compressor import Compressor
-    from ..engram import Engram, EngramHasher
-    from ..indexer import Indexer
-    from ..layers import ParallelEmbedding, ParallelHead, RMSNorm
-    from ..moe import MoE, Gate
+    from ...attention import Attention
+    from ...block import Block
+    from ...compressor import Compressor
+    from ...engram import Engram, EngramHasher
+    from ...indexer import Indexer
+    from ...layers import ParallelEmbedding, ParallelHead, RMSNorm
+    from ...moe import MoE, Gate
     if name.endswith("shared_experts"):
         return "shared expert"
     for cls, kind in ((RMSNorm, "norms"), (Indexer, "indexer"), (Compressor, "compressor"),
@@ -269,8 +269,8 @@ def fake_cuda(counter: DeviceOps):
 def stubbed_tilelang(counter: DeviceOps):
     """The TileLang route on fake CUDA: a compute capability 9.0 GPU assumed, each compiled kernel replaced by
     a stand-in that counts one launch (its factory never runs: nothing is lowered)."""
-    from .. import kernels
-    from ..kernels import tilelang_ops as ops
+    from ... import kernels
+    from ...kernels import tilelang_ops as ops
     saved = (kernels._capability, kernels._tilelang_imports, torch.cuda.current_device, ops._compiled)
 
     def compiled(settings, name, *args):
@@ -289,7 +289,7 @@ def stubbed_tilelang(counter: DeviceOps):
 @contextlib.contextmanager
 def counting_tilelang(counter: DeviceOps):
     """On a real GPU: each compiled TileLang kernel still runs, and each call counts one launch."""
-    from ..kernels import tilelang_ops as ops
+    from ...kernels import tilelang_ops as ops
     compiled = ops._compiled
 
     def counted(settings, name, *args):
@@ -315,7 +315,7 @@ def shape_args(shape: str, batch: int, max_seq_len: int) -> ModelArgs:
     with open(RELEASED_CONFIG) as f:
         cfg = json.load(f)
     cfg.update(SMALL_WIDTHS)
-    from .synthetic import engram_table_sizes
+    from ..synthetic import engram_table_sizes
     cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**dict(cfg, engram_num_embeddings=[])))
     return ModelArgs.from_dict(cfg, max_batch_size=batch, max_seq_len=max_seq_len)
 
@@ -342,8 +342,8 @@ def route_options(route: str) -> RuntimeOptions:
 def count_route(shape: str, route: str, batch: int, prompt: int, tokenizer=None) -> dict:
     """{'decode': {...}, 'prefill': {...}} for one shape, route and batch: each with 'launches', 'syncs',
     'kinds' {kind: n} and 'places' {place: n}."""
-    from ..model import Transformer
-    from .synthetic import randomize
+    from ...model import Transformer
+    from ..synthetic import randomize
     args = shape_args(shape, batch, prompt + 8)
     tokenizer = tokenizer or _tokenizer(shape)
     cuda = route in CUDA_ROUTES
@@ -442,6 +442,3 @@ def main(argv=None) -> int:
         print(format_rows(rows, a.top))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

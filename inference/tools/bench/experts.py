@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from ..kernels import host_experts as he
-from ..kernels.fast import dequant_weight, gemm
+from ...kernels import host_experts as he
+from ...kernels.fast import dequant_weight, gemm
 
 DIM, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
 
@@ -258,6 +258,3 @@ def main(argv=None):
         print(json.dumps(r))
     return r
 
-
-if __name__ == "__main__":
-    main()

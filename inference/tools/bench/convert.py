@@ -1,6 +1,6 @@
 """Benchmark convert.py against plain `cp` on the same disk (not a test).
 
-    python -m inference.tools.bench_convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB]
+    python -m inference.tools.bench convert --size-gb 3 [--work-dir DIR] [--mp 1 4] [--max-buffer 1GB]
                                             [--cold]
 
 Generates a synthetic HF checkpoint of about --size-gb (a scaled-up config with the released proportions:
@@ -21,7 +21,7 @@ from inference.config import ModelArgs
 from inference.safetensors_io import tensor_nbytes
 from inference.tools.synthetic import hf_tensor_specs, write_synthetic_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+from .common import ROOT, drop_cache
 
 
 def layer_roles(n_layers: int, n_mtp_layers: int) -> dict:
@@ -59,17 +59,6 @@ def scaled_config(size_gb: float) -> ModelArgs:
     return build(n_layers, rows)
 
 
-def drop_cache(paths) -> None:
-    # Evict the files from the page cache so that the next reader hits the disk.
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def timed(cmd) -> tuple:
     """Run a command; return (seconds, peak RSS bytes)."""
     t = time.perf_counter()
@@ -82,7 +71,8 @@ def timed(cmd) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Benchmark convert.py against cp on a synthetic checkpoint.")
+    ap = argparse.ArgumentParser(prog="python -m inference.tools.bench convert",
+                                 description="Benchmark convert.py against cp on a synthetic checkpoint.")
     ap.add_argument("--size-gb", type=float, default=3.0,
                     help="approximate checkpoint size in GB (default 3)")
     ap.add_argument("--work-dir", default=None,
@@ -179,6 +169,3 @@ def main(argv=None) -> int:
               f"{steady / cp_rate:>19.0%} {rss / 2**30:>7.2f} G")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
