@@ -63,22 +63,29 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
+def _capability_of(device: torch.device):
+    """(major, minor) of a CUDA device, or None where no CUDA device can be asked (no driver, no GPU)."""
+    try:
+        return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    except (RuntimeError, AssertionError):
+        return None
+
+
 def _where(device: torch.device) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
-    if not torch.cuda.is_available():
+    capability = _capability_of(device)
+    if capability is None:
         return f"{device} (CUDA is not available)"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = _capability(index)
-    return f"cuda:{index} (compute capability {major}.{minor})"
+    return f"cuda:{index} (compute capability {capability[0]}.{capability[1]})"
 
 
 def _hopper_or_newer(device: torch.device) -> bool:
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    capability = _capability_of(device) if device.type == "cuda" else None
+    return capability is not None and capability >= (9, 0)
 
 
 def check_device(opts: RuntimeOptions, device) -> None:
