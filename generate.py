@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node W generate.py --ckpt-path D --config config.json --interactive | --input-file F
     torchrun --nproc-per-node W generate.py --ckpt-path D --config config.json --score S.json --dump-logits X
+    torchrun --nproc-per-node W generate.py --ckpt-path D --config config.json --serve 8000   # OpenAI API
 
 The command line only: options, process-group set-up, reading prompts, printing; inference/engine/ runs the
 model. Rank 0 reads every input and prints; the other ranks receive each prompt or command by broadcast, so
@@ -46,6 +47,7 @@ from inference.engine.session import (Session, add_checkpoint_flags, add_model_f
 from inference.engine.speculative import SpecOptions
 from inference.engram import EngramError
 from inference.parallel import ParallelContext, RankLog, run_and_shut_down
+from inference.serve import add_serve_flags, bind, check_serve_options
 from inference.vision import VisionError
 
 DEFAULT_SEED = 33377335
@@ -128,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--spec-min-confidence", type=float, default=None,
         help="verify only the leading drafts whose sigmoid(confidence) >= this value (default: off)")
     add("--verbose", action="store_true", help="also print the model settings (ModelArgs) at start")
+    add_serve_flags(p)
     return p
 
 
@@ -141,12 +144,17 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
     spec_flags = [f for f, v in (("--spec-verify", o.spec_verify), ("--spec-k", o.spec_k),
                                  ("--spec-min-confidence", o.spec_min_confidence)) if v is not None]
     score_mode = bool(o.score or o.dump_logits)
+    modes = [m for m, on in (("--interactive", o.interactive), ("--input-file", o.input_file),
+                             ("--score", score_mode), ("--serve", o.serve)) if on]
     checks = [
+        (len(modes) > 1 and o.serve is not None,
+         f"--serve is a mode of its own: drop {', '.join(m for m in modes if m != '--serve')}"),
+        (o.serve is not None and o.speculative != "none",
+         "--serve runs plain decoding: drop --speculative (the replies are the same, greedy)"),
         (score_mode and not (o.score and o.dump_logits), "--score and --dump-logits go together"),
         (score_mode and (o.interactive or o.input_file),
          "--score is a mode of its own: drop --interactive / --input-file"),
-        (not score_mode and not o.interactive and not o.input_file,
-         "Either input-file or interactive mode must be specified"),
+        (not modes, "Either input-file or interactive mode must be specified (or --score, --serve)"),
         (o.interactive and o.input_file, "--interactive and --input-file are two modes: give one"),
         (o.all_prefill_logits and not o.score, "--all-prefill-logits needs --score"),
         (o.dspark and not o.score,
@@ -168,6 +176,9 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
     for failed, message in checks:
         if failed:
             raise CLIError(message)
+    problem = check_serve_options(o) if o.serve is not None else None
+    if problem:
+        raise CLIError(problem)
     resolve_reasoning_effort(o.reasoning_effort)     # EncodingError names the accepted values
     return runtime_options(o)                        # the loading flags: every command's checks
 
@@ -175,7 +186,9 @@ def check_options(o: argparse.Namespace) -> RuntimeOptions:
 def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     """The checkpoint's files and --config with this command's limits: the official interactive ones in a
     chat, the config's in batch mode, the flags' where given."""
-    limits = {"temperature": o.temperature}
+    # a server samples each batch with its requests' settings from the logits; the model's own sampling
+    # (a CUDA graph's) stays greedy and draws nothing from the RNG
+    limits = {"temperature": 0.0 if o.serve is not None else o.temperature}
     if o.interactive:
         limits.update(max_batch_size=1, max_seq_len=65536)
     if o.max_batch_size is not None:
@@ -183,6 +196,8 @@ def model_args(o: argparse.Namespace, world_size: int) -> ModelArgs:
     if o.max_seq_len is not None:
         limits["max_seq_len"] = o.max_seq_len
     margs = session_model_args(o, world_size, need_eos=not o.score, **limits)
+    if o.serve is not None and margs.max_seq_len < 2:
+        raise CLIError(f"--serve needs a context of at least 2 tokens, got {margs.max_seq_len}")
     if (o.speculative != "none" or o.dspark) and not margs.has_dspark:
         raise CLIError(f"{'--dspark' if o.dspark else '--speculative dspark'} needs the DSpark draft head, "
                        f"but this config has none (dspark_block_size = {margs.dspark_block_size}, "
@@ -208,7 +223,7 @@ def read_inputs(o: argparse.Namespace, session: Session):
         check_prompt_lengths([len(s) for s in job.seqs], margs.max_seq_len)
         from_rank0(par, lambda: [check_writable(f) for f in (o.dump_logits, o.capture_blocks) if f])
         work = job
-    elif not o.interactive:
+    elif o.input_file:
         work = from_rank0(par, lambda: read_batch_prompts(o.input_file, tokenizer, margs, o.thinking_mode,
                                                           o.reasoning_effort, not o.language_model_only))
         if not work:
@@ -231,8 +246,13 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
     spec = None
     if o.speculative == "dspark":
         spec = SpecOptions(o.temperature, o.spec_k, o.spec_verify or "chunked", o.spec_min_confidence)
-    eos_id = 1 if o.score else read_special_ids(o.ckpt_path, session.tokenizer)["eos"]
+    special = None if o.score else read_special_ids(o.ckpt_path, session.tokenizer)
+    eos_id = 1 if o.score else special["eos"]
     margs, work, records = read_inputs(o, session)
+    # the port is taken before the model loads: one in use stops every rank now
+    listening = []      # the socket stays on rank 0; only the outcome is broadcast
+    if o.serve is not None:
+        from_rank0(session.par, lambda: listening.append(bind(o.serve)))
 
     if o.verbose:
         log.info(margs)
@@ -246,12 +266,16 @@ def run(o: argparse.Namespace, log: RankLog) -> None:
         if o.capture_blocks:
             log.info(f"wrote {o.capture_blocks}")
         log.info(f"wrote {o.dump_logits}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items()))
+    elif o.serve is not None:
+        from inference.serve import serve
+        serve(runner, o, eos_id, special["bos"], listening[0] if listening else None, log)
     elif o.interactive:
         interactive_mode(runner, log, o)
     else:
         batch_mode(runner, log, work)
     # timings (a chat's: the replies', not the time at the prompt), weight streaming, speculation
-    done = (runner.busy_s, "generating") if o.interactive else (time.perf_counter() - start, "total")
+    done = ((runner.busy_s, "generating") if o.interactive else (time.perf_counter() - start, "total")
+            if o.serve is None else (time.perf_counter() - start, "served"))
     for line in runner.finish(*done):
         log.info(line)
 

@@ -9,13 +9,14 @@
 #   bash run.sh wheels DIR [--pack]   the wheels an offline GPU host needs for gpu-check --wheels (packed:
 #                                     DIR.tar.xz, and its parts of at most 30 MiB when larger)
 #   bash run.sh generate ARGS...      launch generate.py with torchrun on a converted checkpoint
+#   bash run.sh serve ARGS...         the same, serving the OpenAI API (generate.py --serve)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
 usage() {
     cat <<'EOF'
-usage: bash run.sh [demo | test | gpu-check | wheels | convert | verify | generate | --help] [ARGS...]
+usage: bash run.sh [demo | test | gpu-check | wheels | convert | verify | generate | serve | --help] [ARGS...]
 
   (no argument), demo   build a tiny random-weight model with the real DeepSeek tokenizer under demo/out/
                         (once), convert it, and run generate.py on demo/prompts.txt, demo/cases.json and
@@ -40,8 +41,10 @@ usage: bash run.sh [demo | test | gpu-check | wheels | convert | verify | genera
                         sha256 recorded when it was written; names the first damaged tensor and file (exit 1)
   generate ARGS         torchrun generate.py on a converted checkpoint, e.g.
                           CKPT=/path/to/converted bash run.sh generate --interactive
+  serve ARGS            the same launch serving the OpenAI API on node 0 (generate.py --serve), e.g.
+                          CKPT=/path/to/converted PORT=8000 bash run.sh serve --api-key KEY
 
-environment for generate (defaults in brackets):
+environment for generate and serve (defaults in brackets):
   MP [8]                model-parallel degree = total number of processes; it must divide the config's
                         head, group and expert counts (the released config: 1, 2, 4 or 8)
   NODES [1]             number of nodes (MP must be divisible by NODES), e.g. MP=8 NODES=2: 2 x 4 GPUs
@@ -52,6 +55,8 @@ environment for generate (defaults in brackets):
   JOIN_TIMEOUT [300]    NODES > 1: seconds node 0 waits for the other nodes before one line names them
   CKPT                  converted checkpoint directory (required unless --ckpt-path is given)
   CONFIG [./config.json]  inference config (unless --config is given)
+  PORT [8000], HOST [127.0.0.1]
+                        serve: where node 0 listens (unless --serve is given; HOST=0.0.0.0: every interface)
   DRY_RUN=1             print the torchrun command instead of running it
 EOF
 }
@@ -271,6 +276,13 @@ case "$cmd" in
         ;;
     generate)
         launch_generate "$@"
+        ;;
+    serve)
+        if printf '%s\n' "$@" | grep -q -- '^--serve'; then
+            launch_generate "$@"
+        else
+            launch_generate --serve "${HOST:-127.0.0.1}:${PORT:-8000}" "$@"
+        fi
         ;;
     -h | --help | help)
         usage

@@ -117,9 +117,9 @@ def fixture_tensors(name: str):
 # slowest files go first, so that no worker is left running one of them while the other has finished.
 # Their tests' own seconds on 2 cores (docs/benchmarks.md §4); a stale order costs time, never a result.
 SLOWEST_FIRST = ["test_speculative.py", "test_gpu_check.py", "test_kernels_compile.py",
-                 "test_invariant_model.py", "test_vision_cli.py", "test_generate.py", "test_multinode.py",
-                 "test_long_context.py", "test_corpus_kld.py", "test_prefill_chunks.py", "test_offload.py",
-                 "test_chat.py", "test_model_fixture.py"]
+                 "test_invariant_model.py", "test_vision_cli.py", "test_generate.py", "test_serve.py",
+                 "test_multinode.py", "test_long_context.py", "test_corpus_kld.py", "test_prefill_chunks.py",
+                 "test_offload.py", "test_chat.py", "test_model_fixture.py"]
 
 
 def pytest_collection_modifyitems(config, items):

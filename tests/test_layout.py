@@ -2,7 +2,8 @@
 
     config, parallel, safetensors_io  ->  kernels, quant  ->  layers, rope, hyper, sampling, state,
     kv_cache  ->  modules (attention, compressor, indexer, sparse_attn, moe, engram, vision, block,
-    dspark)  ->  model  ->  engine  ->  tools  ->  the CLIs (generate.py, convert.py)
+    dspark)  ->  model  ->  engine  ->  tools, serve (the HTTP endpoint)  ->  the CLIs (generate.py,
+    convert.py)
 
 Every import counts, also one inside a function. `encoding` (the chat format) stands beside the model: the
 engine and the CLIs use it, no model module does.
@@ -27,7 +28,7 @@ LAYERS = [
     ("model", ["inference.model"]),
     ("encoding", ["encoding"]),
     ("engine", ["inference.engine"]),
-    ("tools", ["inference.tools"]),
+    ("tools", ["inference.tools", "inference.serve"]),
     ("cli", ["generate", "convert"]),
 ]
 

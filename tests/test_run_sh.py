@@ -67,6 +67,21 @@ def test_generate_dry_run_builds_the_torchrun_command(ckpt):
     assert proc.stdout.split()[proc.stdout.split().index("--master-addr") + 1] == "127.0.0.1"
 
 
+def test_serve_is_the_generate_launch_with_an_address(ckpt):
+    """`bash run.sh serve`: the same launch and checks as generate, generate.py serving on HOST:PORT (the
+    environment's, or --serve on the command line as given)."""
+    env = {"MP": "2", "CKPT": str(ckpt), "CONFIG": os.path.join(ROOT, "config.json"), "DRY_RUN": "1"}
+    proc = run_sh("serve", "--api-key", "k", env={**env, "PORT": "9001", "HOST": "0.0.0.0"})
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.split()
+    assert cmd[cmd.index("--serve") + 1] == "0.0.0.0:9001" and cmd[-2:] == ["--api-key", "k"]
+    cmd = run_sh("serve", "--serve", "8123", env=env).stdout.split()
+    assert cmd.count("--serve") == 1 and cmd[cmd.index("--serve") + 1] == "8123"
+    assert cmd[cmd.index("--serve") + 1:] == ["8123"]
+    proc = run_sh("serve", env={**env, "MP": "3"})
+    assert proc.returncode != 0 and "MP=3 does not fit" in proc.stderr
+
+
 @pytest.mark.parametrize("env,message", [
     ({"MP": "3"}, "MP=3 does not fit ./config.json: world size 3 does not divide vocab_size = 129280"),
     ({"MP": "16"}, "MP=16 does not fit ./config.json: world size 16 does not divide o_groups = 8"),

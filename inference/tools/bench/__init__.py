@@ -5,6 +5,7 @@
     convert    convert.py's throughput against cp, and its peak RSS, on a synthetic checkpoint
     offload    --offload disk: a prefill streamed from a checkpoint larger than the memory it may use
     launches   device ops and host syncs of a decode step and a prefill, per module kind and route
+    serve      the OpenAI endpoint (generate.py --serve): requests/s, time to first token, HTTP overhead
 
 common.py holds what several share. Figures are printed, never asserted.
 """

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "convert": "convert.py's throughput against cp, and its peak RSS, on a synthetic checkpoint",
     "offload": "--offload disk: a prefill streamed from a checkpoint larger than the memory it may use",
     "launches": "device ops and host syncs of a decode step and a prefill, per module kind and route",
+    "serve": "the OpenAI endpoint: requests/s and time to first token at 1, 4, 16 clients; HTTP overhead",
 }
 PROG = "python -m inference.tools.bench"
 

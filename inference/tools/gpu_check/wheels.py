@@ -30,7 +30,7 @@ NEVER = ("torch", "triton", "nvidia-")    # never installed from a wheel folder,
 # In a package's metadata but never imported by the check: tokenizers imports huggingface-hub only in
 # Tokenizer.from_pretrained; the project reads tokenizer.json files.
 NOT_IMPORTED = {"huggingface-hub"}
-TEST_ONLY = {"pytest", "hypothesis", "pytest-xdist"}       # requirements.txt's test tools
+TEST_ONLY = {"pytest", "hypothesis", "pytest-xdist", "openai"}     # requirements.txt's test tools
 # Imported but missing from a package's metadata (found by tests/test_gpu_check.py, which imports the check's
 # modules with only torch, numpy and the wheels visible): torch_c_dlpack_ext/core.py imports packaging.
 UNDECLARED = {"torch-c-dlpack-ext": ["packaging"]}
