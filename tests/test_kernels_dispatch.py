@@ -116,10 +116,13 @@ def test_exact_route_is_the_reference_kernels():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_exact_scores_are_the_same_sums_both_ways(dtype):
-    """The exact attention's q.k: all products at once added by index_add_ (small, decode-step score sets)
-    and the column loop (larger ones) give the same bits, on values spread over 2^+-20 so that any other
-    summation order (here a GEMM's) rounds differently."""
+def test_exact_scores_are_the_same_sums_three_ways(dtype, monkeypatch):
+    """The exact attention's q.k: all products at once added by index_add_ (small, decode-step score sets),
+    the native kernel (larger ones: kernels/ordered_dot.c) and the column loop (its specification, the
+    fallback) give the same bits, on values spread over 2^+-20 so that any other summation order (here a
+    GEMM's) rounds differently."""
+    from inference.kernels import native
+    assert native.ordered_library() is not None, "the native ordered-dot kernel did not build"
     gen = torch.Generator().manual_seed(3)
     spread = lambda *shape: (torch.randn(*shape, generator=gen) * 2.0 ** torch.randint(-20, 21, shape,
                                                                                      generator=gen)).to(dtype)
@@ -127,8 +130,12 @@ def test_exact_scores_are_the_same_sums_both_ways(dtype):
         q, rows = spread(b, m, h, d), spread(b, m, c, d).float()
         q_cols = reference._columns(q, -1)
         at_once = reference._dot_in_order(q_cols, rows, dtype == torch.bfloat16, max_sums=1 << 30)
+        natively = reference._dot_in_order(q_cols, rows, dtype == torch.bfloat16, max_sums=0)
+        monkeypatch.setenv(native.ORDERED_ENV, "torch")
         by_column = reference._dot_in_order(q_cols, rows, dtype == torch.bfloat16, max_sums=0)
-        assert torch.equal(at_once.view(torch.int32), by_column.view(torch.int32)), (b, m, h, c, d)
+        monkeypatch.delenv(native.ORDERED_ENV)
+        for other in (natively, by_column):
+            assert torch.equal(at_once.view(torch.int32), other.view(torch.int32)), (b, m, h, c, d)
         assert not torch.equal(at_once, torch.einsum("bmhd,bmcd->bmhc", q.float(), rows))
 
 def test_quantizers_are_shared_by_both_torch_routes():

@@ -119,6 +119,27 @@ def test_block_gemm_matches_exact_blockwise_sum():
     assert torch.allclose(out.double(), ref, rtol=2 ** -8, atol=0)
 
 
+@pytest.mark.parametrize("rows", [3, 70])      # below and above reference.BLOCKWISE_OUTPUTS: both ways
+def test_block_gemm_sums_each_block_in_k_order_then_the_blocks_in_k_order(rows):
+    """The exact order, computed element by element: within a 32-block the exact products added one by one
+    from zero in increasing k, in fp32; the blocks' sums added in increasing K order; then bf16."""
+    from inference.kernels import reference
+    n = 2048
+    assert 3 * n < reference.BLOCKWISE_OUTPUTS <= 70 * n
+    torch.manual_seed(2)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    w = (torch.randn(n, 96) * 0.1).to(torch.float8_e4m3fn).float()
+    q, s = act_quant(x)
+    a = (q.float().view(rows, 3, 32) * s.unsqueeze(-1)).view(rows, 96)
+    acc = None
+    for kb in range(3):
+        part = torch.zeros(rows, n)
+        for k in range(32 * kb, 32 * kb + 32):
+            part = part + a[:, k:k + 1] * w[:, k]                       # exact products, fp32 adds
+        acc = part if acc is None else acc + part
+    assert torch.equal(block_scaled_gemm(x, w).view(torch.int16), acc.to(torch.bfloat16).view(torch.int16))
+
+
 def naive_attention(q, kv, sink, idx, scale):
     """Plain float64 softmax over the listed rows with the sink in the denominator."""
     b, m, h, d = q.shape

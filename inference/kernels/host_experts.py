@@ -43,18 +43,15 @@ the details.
 """
 import ctypes
 import functools
-import hashlib
 import math
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .fast import Fast, dequant_weight, quant_act
 from .numerics import Numerics
 from .reference import Exact
@@ -69,10 +66,6 @@ ENV = "DSV4_HOST_EXPERTS"
 FORMATS = {"fp4": 4, "fp8": 8}
 
 Projection = Tuple[torch.Tensor, torch.Tensor]   # (weight [E, N, ...], scale [E, ...]) as stored
-
-
-class BuildError(RuntimeError):
-    """The native kernel could not be built or loaded here."""
 
 
 # ---- the choice of implementation ----
@@ -113,31 +106,14 @@ def _resolved_for(name: str, capability: str, cc: Optional[str], cache_dir: str)
     return (v, lib) if lib is not None else ("torch", None)
 
 
-def _compiler() -> Optional[str]:
-    return os.environ.get("CC") or _default_compiler()
-
-
-@functools.lru_cache(maxsize=1)
-def _default_compiler() -> Optional[str]:
-    return shutil.which("cc") or shutil.which("gcc")             # searched once: a call costs 40 us
-
-
-def _cache_dir() -> str:
-    return _cache_dir_of(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_dir_of(xdg: Optional[str], home: Optional[str]) -> str:      # a call per kernel call: kept cheap
-    base = xdg or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "dsv41", "host_experts")
+_compiler, _cache_dir = native.compiler, native.cache_dir
 
 
 @functools.lru_cache(maxsize=None)
 def _library(variant: str, cc: Optional[str], cache_dir: str):
     """The loaded kernel of `variant` (built once per compiler and cache directory), or None after one line on
     stderr saying why the torch path runs instead (the cache makes it once per process and variant)."""
-    try:
-        lib = ctypes.CDLL(build(variant, cc, cache_dir))
+    def declare(lib):
         lib.he_run.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.he_run.restype = ctypes.c_int
@@ -145,48 +121,15 @@ def _library(variant: str, cc: Optional[str], cache_dir: str):
         lib.he_act_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int]
         lib.he_act_quant.restype = None
-        return lib
-    except (BuildError, OSError) as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        print(f"host experts: no native {variant} kernel ({reason}); routed experts run the torch path",
-              file=sys.stderr, flush=True)
-        return None
+    return native.load(lambda: build(variant, cc, cache_dir), declare,
+                       f"host experts: no native {variant} kernel ({{reason}}); routed experts run the torch "
+                       "path")
 
 
 def build(variant: str, cc: Optional[str] = None, cache_dir: Optional[str] = None) -> str:
-    """Compile host_experts.c for `variant` unless the cache has it; returns the shared object's path.
-    Written under a temporary name and renamed, so concurrent builds (test workers) never see half a file."""
-    cc = cc or _compiler()
-    if not cc:
-        raise BuildError("no C compiler (set CC, or install cc / gcc)")
-    cache_dir = cache_dir or _cache_dir()
-    flags = BASE_FLAGS + FLAGS[variant]
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"C compiler {cc!r} does not run: {e}") from None
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags + LIBS).encode()]))
-    path = os.path.join(cache_dir, f"host_experts_{variant}_{key.hexdigest()[:16]}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, SOURCE, "-o", tmp, *LIBS], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode:
-            lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
-            raise BuildError(f"{cc} failed for the {variant} kernel: {lines[0]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"{cc} failed for the {variant} kernel: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Compile host_experts.c for `variant` unless the cache has it; returns the shared object's path."""
+    return native.compile_shared(SOURCE, f"host_experts_{variant}", BASE_FLAGS + FLAGS[variant], LIBS, cc,
+                                 cache_dir)
 
 
 # ---- the projections ----
