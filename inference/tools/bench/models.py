@@ -12,6 +12,7 @@ import os
 import resource
 import tempfile
 import time
+from typing import Tuple
 
 import torch
 
@@ -75,6 +76,55 @@ def bench_context(model, context: int, steps: int, gen: torch.Generator):
     return context / t_prefill, 1e3 * sum(times) / len(times), moved
 
 
+class KindTimer:
+    """Wall seconds per module kind (launches.module_kind: attention, indexer, gate, routed experts, ...),
+    each second charged to the innermost module of a kind that runs then ("other": outside all, the call's
+    set-up and the head's sampling). `kinds` is the stack launches.attribute keeps."""
+
+    def __init__(self):
+        timer = self
+
+        class Kinds(list):
+            def append(self, kind):
+                timer.switch()
+                super().append(kind)
+
+            def pop(self):
+                timer.switch()
+                return super().pop()
+        self.kinds, self.seconds, self.mark = Kinds(), {}, time.perf_counter()
+
+    def switch(self) -> None:
+        now = time.perf_counter()
+        kind = self.kinds[-1] if self.kinds else "other"
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + now - self.mark
+        self.mark = now
+
+    def shares(self) -> str:
+        total = sum(self.seconds.values()) or 1.0
+        rows = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in rows if v / total >= 0.005)
+
+
+def breakdown(model, context: int, steps: int, gen: torch.Generator) -> Tuple[str, str]:
+    """Where a prefill of `context` tokens and `steps` decode steps after it spend their time, by module
+    kind: (prefill shares, decode shares)."""
+    from .launches import attribute
+    model.reset()
+    ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen).to(model.ctx.device)
+    timers = KindTimer(), KindTimer()
+    with attribute(model, timers[0]):
+        timers[0].mark = time.perf_counter()
+        model.prefill(ids[:, :context])
+        timers[0].switch()
+    with attribute(model, timers[1]):
+        timers[1].mark = time.perf_counter()
+        for i in range(steps):
+            model.decode(ids[:, context + i:context + i + 1], context + i)
+        timers[1].switch()
+    return timers[0].shares(), timers[1].shares()
+
+
 def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: int = 6) -> str:
     """torch.profiler over `steps` decode steps after a prefill of `context`: self CPU ms per step, in all and
     for the ops that took most (aten::cat: copies a step makes of weights or caches)."""
@@ -104,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where the synthetic checkpoints are cached")
     ap.add_argument("--profile", action="store_true", help="also profile decode steps (torch.profiler): "
                     "self CPU ms per step and the ops that took most")
+    ap.add_argument("--breakdown", action="store_true", help="also the share of prefill and decode time by "
+                    "module kind (attention, indexer, hyper-connections, gate, routed experts, ...)")
     add_model_flags(ap)                    # generate.py's numerics and placement flags, refused alike
     return ap
 
@@ -136,6 +188,10 @@ def main(argv=None):
                   f"{opts.engram_on}: {moved / 1e3:.1f} KB moved per step")
             if opts.profile:
                 print(f"[{name}] context {ctx:6d}: {profile_decode(model, ctx, opts.decode_steps, gen)}")
+            if opts.breakdown:
+                pre, dec = breakdown(model, ctx, opts.decode_steps, gen)
+                print(f"[{name}] context {ctx:6d}: prefill by module kind: {pre}")
+                print(f"[{name}] context {ctx:6d}: decode by module kind: {dec}")
         if len(contexts) > 1:
             lo, hi = min(contexts), max(contexts)
             print(f"[{name}] decode cost at {hi} vs {lo} context: {results[hi] / results[lo]:.2f}x")
