@@ -132,6 +132,8 @@ def _attend(q, kv, sink, idx, scale):
     valid = idx >= 0
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
     rows = kv[batch, idx.clamp_min(0)]                              # [B, M, T', D]
+    if not rows.is_cuda:     # widened once here: matmul_fp32 would widen it twice, once transposed (a copy)
+        rows = rows.float()
     s = matmul_fp32(q, rows.transpose(-1, -2)) * scale              # [B, M, H, T'] fp32, exact products
     s = s.masked_fill(~valid.unsqueeze(2), float("-inf")).unflatten(-1, (nc, CHUNK))   # [B, M, H, nc, 64]
     run = torch.cummax(s.amax(-1), dim=-1).values.clamp_min(-1e30)  # [B, M, H, nc] running max, as the kernel
