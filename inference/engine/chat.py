@@ -1,7 +1,7 @@
 """The chat's pieces around the generate loop: rank 0's keyboard (Ctrl-C read as a key on a terminal), the
 stop that Ctrl-C asks for made every rank's between two decode steps, and a reply printed while it is decoded
 (incremental detokenization, thinking apart from the answer). generate.py's interactive mode puts them
-together; Runner.run (generation.py) runs the reply itself, its on_step hook calling back here."""
+together; Runner.run (runner.py) runs the reply itself, its on_step hook calling back here."""
 import contextlib
 import os
 import signal

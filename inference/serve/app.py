@@ -43,7 +43,8 @@ class Server:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def sampling(self, body: Dict[str, Any]) -> P.Sampling:
-        return P.sampling_of(dict(body, temperature=body.get("temperature", self.temperature)))
+        given = body.get("temperature")                 # absent or null: the server's --temperature
+        return P.sampling_of(dict(body, temperature=self.temperature if given is None else given))
 
     # -- prompts (run off the event loop: tokenizing and decoding images take time) ----------------------
 
