@@ -71,17 +71,14 @@ def float_to_ue8m0(s: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_round(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values in [-6, 6] to the E2M1 grid, ties to the even code
-    (0.25->0, 0.75->1, 2.5->2, ...)."""
+    """Round fp32 values in [-6, 6] to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the even code
+    (0.25->0, 0.75->1, 2.5->2, ...). E2M1 keeps one mantissa bit: in the binade [2^e, 2^(e+1)) the grid's
+    step is 2^(e-1), below 1 (the subnormal codes) 0.5. |v| / step rounded half to even and multiplied back
+    is exact, and an even multiple of the step is the even code."""
     a = v.abs()
-    r = torch.where(a <= 0.25, 0.0,
-        torch.where(a < 0.75, 0.5,
-        torch.where(a <= 1.25, 1.0,
-        torch.where(a < 1.75, 1.5,
-        torch.where(a <= 2.5, 2.0,
-        torch.where(a < 3.5, 3.0,
-        torch.where(a <= 5.0, 4.0, 6.0)))))))
-    return torch.copysign(r, v)
+    binade = (a.view(torch.int32) & 0x7F800000).view(torch.float32)       # 2^floor(log2 |v|), 0 for 0
+    step = (binade * 0.5).clamp_min(0.5)
+    return torch.copysign(torch.round(a / step) * step, v)
 
 
 def unpack_fp4(w: torch.Tensor) -> torch.Tensor:

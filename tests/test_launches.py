@@ -20,17 +20,17 @@ needs_cuda_build = pytest.mark.skipif(
 
 # (shape, route, batch) -> (decode launches, prefill launches) at most; a prompt of 301 tokens (the released
 # geometry: 9, a small call whose experts take the decode step's fixed shapes; a decode step's count does not
-# depend on the context)
+# depend on the context). A cast that copies counts (the convention of the official code's figures).
 BOUNDS = {
-    ("fixture", "tilelang", 1): (1086, 1703),
-    ("fixture", "tilelang", 4): (1086, 1703),
-    ("fixture", "torch", 1): (3419, 5918),
-    ("fixture", "torch", 4): (3451, 5918),
-    ("released", "tilelang", 1): (4011, 4066),
-    ("released", "torch", 1): (14929, 15276),
-    ("fixture", "exact", 1): (7005, 37413),
-    ("fixture", "fast", 1): (3730, 5471),
-    ("fixture", "invariant", 1): (13725, 22693),     # (its GEMMs take a path by the values)
+    ("fixture", "tilelang", 1): (1529, 2324),
+    ("fixture", "tilelang", 4): (1529, 2324),
+    ("fixture", "torch", 1): (4120, 7753),
+    ("fixture", "torch", 4): (4152, 7753),
+    ("released", "tilelang", 1): (5832, 6018),
+    ("released", "torch", 1): (18100, 19158),
+    ("fixture", "exact", 1): (8221, 14775),
+    ("fixture", "fast", 1): (4763, 7362),
+    ("fixture", "invariant", 1): (15574, 25947),     # (its GEMMs take a path by the values)
 }
 
 
@@ -66,8 +66,23 @@ def test_cuda_routes_at_the_released_geometry(route):
     assert all(got["decode"]["kinds"].get(k, 0) > 0 for k in ("attention", "indexer", "compressor",
                                                               "routed experts", "shared expert", "gate",
                                                               "Engram", "hyper-connections", "norms"))
-    if route == "tilelang":
-        assert got["decode"]["kinds"]["routed experts"] <= 12 * 40
+    if route == "tilelang":     # 17 a layer: 3 expert GEMMs, 2 row launches, SwiGLU, the combine, 4 casts
+        assert got["decode"]["kinds"]["routed experts"] <= 17 * 40
+
+
+def test_a_cast_is_a_launch_when_it_copies():
+    """`.to(dtype)` is an alias in its schema (it returns its input when the dtype is already the one asked
+    for), so the rule that skips views must not skip it: a cast that copies is one launch, one that does not
+    is none."""
+    from inference.tools.bench.launches import DeviceOps
+    x = torch.ones(4, 64, dtype=torch.bfloat16)
+    counter = DeviceOps("cpu")
+    with counter:
+        counter.phase = "decode"
+        y = x.float()                                   # a copy
+        x.bfloat16(), y.to(torch.float32), y.view(4, 2, 32)
+        x.to(torch.float8_e4m3fn)                       # a copy
+    assert counter.total("decode") == 2
 
 
 @pytest.mark.parametrize("route", ["exact", "fast", "invariant"])

@@ -66,6 +66,23 @@ def test_e2m1_ties_to_even():
     assert e2m1_round(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, -2.0, -0.0]
 
 
+def test_e2m1_round_is_the_nearest_grid_value_by_midpoints():
+    """e2m1_round (divide by the binade's step, round half to even) against the grid's midpoints written
+    out, where a tie goes to the even code: every fp32 in [-6, 6] whose low 12 mantissa bits are one of six
+    patterns (the ties have them all zero), signed zeros included, bit for bit."""
+    def by_midpoints(v):
+        a = v.abs()
+        r = torch.where(a <= 0.25, 0.0, torch.where(a < 0.75, 0.5, torch.where(a <= 1.25, 1.0, torch.where(
+            a < 1.75, 1.5, torch.where(a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0,
+                                                                                           6.0)))))))
+        return torch.copysign(r, v)
+    high = torch.arange(0, 0x40C00000 >> 12, dtype=torch.int64) << 12          # 6.0 is 0x40C00000
+    v = torch.cat([(high | low).to(torch.int32) for low in (0, 1, 0x7FF, 0x800, 0x801, 0xFFF)])
+    v = v.view(torch.float32)
+    v = torch.cat([v[v <= 6.0], -v[v <= 6.0]])
+    assert torch.equal(e2m1_round(v).view(torch.int32), by_midpoints(v).view(torch.int32))
+
+
 @pytest.mark.parametrize("amax,expect", [
     (5.0, {5.0: 4.0, 4.90625: 4.0, 3.296875: 3.0, 2.5: 2.0, 1.25: 1.0, 0.75: 1.0, -1.75: -2.0, 0.25: 0.0,
            3.5: 4.0}),

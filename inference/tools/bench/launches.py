@@ -15,8 +15,9 @@ the number of launches a step dispatches is its cost model. This tool counts the
   dispatch, not a launch, but costs host time alike.
 
 What counts as a launch: every aten op on a tensor of the model's device that computes (views, allocations
-without a fill and metadata excluded), a copy between devices, a TileLang kernel; one op may launch more than
-one kernel (a sort, a top-k), so the counts are a floor. `ops` also counts the allocations: every aten op
+without a fill and metadata excluded), a dtype cast that copies (`.to`, whose schema marks an alias because it
+may return its input), a copy between devices, a TileLang kernel; one op may launch more than one kernel (a
+sort, a top-k), so the counts are a floor. `ops` also counts the allocations: every aten op
 dispatched on the device, what the host spends its time on. Host syncs on CUDA: every value read on the host
 (item, tolist, bool, a nonzero, a bincount, a boolean-mask index, a copy to the host, cuda.synchronize), with
 a stand-in value so that the run goes on (a bincount's counts read as its selections spread evenly over the
@@ -151,6 +152,11 @@ class DeviceOps(TorchDispatchMode):
             return func(*args, **kwargs)
         if not on_device:
             return func(*args, **kwargs)
+        if func.overloadpacket is aten.to:
+            out = func(*args, **kwargs)           # an alias in its schema: a launch only when it copies
+            if out is not args[0]:
+                self.count()
+            return out
         if func.namespace == "aten" and not func.is_view:
             self.count(launch=name not in ALLOCATIONS)
         if not cuda or not self.stand_in:
