@@ -93,18 +93,19 @@ class Indexer(nn.Module):
         t = plan.keys
         keys = self.published.cache[:b, :t]                          # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
-        score = nx.index_scores(q, keys, w, self.ctx.par)            # [B, S, T] bf16, every rank's heads
+        # [S] groups visible to each query (all t rows at a decode step's int position; a graph's step masks
+        # its bucket's rows past its own)
+        lens = plan.visible
+        score = nx.index_scores(q, keys, w, self.ctx.par, lens)      # [B, S, T] bf16, every rank's heads
         stale = handoff.published_at_start
         if (call.kind == Kind.VERIFY and self.owns_keys and not call.policy.publish and stale is not None
                 and self.ratio > 1):
             # Verification in reference numerics: a row whose group is still incomplete would, decoded alone,
             # not have published its keys and would score against the stale published cache
             # (docs/numerics.md §14.1).
-            stale_score = nx.index_scores(q, stale[:b, :t], w, self.ctx.par)
+            stale_score = nx.index_scores(q, stale[:b, :t], w, self.ctx.par, lens)
             incomplete = (call.positions + 1) % self.ratio != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        lens = plan.visible                                          # [S] groups visible to each query
-        # (all t rows at a decode step's int position; a graph's step masks its bucket's rows past its own)
         score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
         candidates = None
         if self.is_candidate_source:

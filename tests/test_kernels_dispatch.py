@@ -210,23 +210,26 @@ def test_fast_gemm_same_products_other_order(kind):
     assert (got == exact).float().mean() > 0.9                      # most outputs round to the same bf16
 
 
-def test_fast_sparse_attention_within_bound():
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_fast_sparse_attention_within_bound(m):
     """Scores: D exact products summed in another order, so s moves by at most d = 2 D u sum|q k| scale and
     each p = exp(s - m) by a factor within exp(2 d). Rounding p to bf16 (the kernel's P cast) then differs by
     at most one bf16 step, 2^-7 p. So the output moves by at most (2^-7 + 4 d) (A + |o|), with
-    A = sum_j p_j |v_j| / den, plus the two bf16 roundings of o (in the 2^-7 |o|)."""
+    A = sum_j p_j |v_j| / den, plus the two bf16 roundings of o (in the 2^-7 |o|); P.V's fp32 sums in
+    another order (the CPU's blocks of queries sum over their union of rows) add ~T u A, far inside.
+    m = 1: a decode step's path; 3 and 70 (over a 64-query block): a prefill's, index lists with repeats."""
     gen = torch.Generator().manual_seed(3)
-    b, m, h, d, n = 2, 3, 4, 128, 300
+    b, h, d, n = 2, 4, 128, 300
     q = (torch.randn(b, m, h, d, generator=gen) * 2).bfloat16()
     kv = torch.randn(b, n, d, generator=gen).bfloat16()
     sink = torch.randn(h, generator=gen)
     idx = torch.randint(0, n, (b, m, 200), generator=gen).int()
-    idx[0, 1, 150:] = -1
-    idx[1, 2] = -1                                                  # nothing to attend: zeros on both
+    idx[0, m // 2, 150:] = -1
+    idx[1, m - 1] = -1                                              # nothing to attend: zeros on both
     scale = d ** -0.5
     exact = reference.sparse_attn(q, kv, sink, idx, scale)
     got = NX_FAST.sparse_attn(q, kv, sink, idx, scale)
-    assert got.dtype == torch.bfloat16 and got[1, 2].abs().sum() == 0
+    assert got.dtype == torch.bfloat16 and got[1, m - 1].abs().sum() == 0
     rows = kv[torch.arange(b).view(b, 1, 1), idx.long().clamp_min(0)].double()      # [B, M, T, D]
     s = torch.einsum("bmhd,bmtd->bmht", q.double(), rows) * scale
     s = s.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
@@ -239,21 +242,29 @@ def test_fast_sparse_attention_within_bound():
     assert ((got.double() - exact.double()).abs() <= bound).all()
 
 
-def test_fast_index_scores_within_bound():
+@pytest.mark.parametrize("s, causal", [(3, False), (300, True)])
+def test_fast_index_scores_within_bound(s, causal):
     """Per head: q.k over D exact products in another order, rounded to bf16 (one bf16 step, 2^-7 |s_h|,
     plus 2 (D - 1) u S_h); times w_h rounded to bf16 (one more step); the head sum (fp32, H terms, another
-    order) rounded to bf16: |d| <= (2^-6 + 2 (D + H) u) sum_h |w_h| S_h + 2^-7 |out|."""
+    order) rounded to bf16: |d| <= (2^-6 + 2 (D + H) u) sum_h |w_h| S_h + 2^-7 |out|. Causal: a prefill of
+    300 queries, each seeing the first (position + 1) // 4 keys, as the indexer passes them: on the CPU the
+    query blocks score only what they see, and every score a query sees keeps the bound."""
     gen = torch.Generator().manual_seed(4)
-    q = torch.randn(2, 3, 16, 64, generator=gen).bfloat16()
-    keys = torch.randn(2, 50, 64, generator=gen).bfloat16()
-    w = (torch.randn(2, 3, 16, generator=gen) / 64).bfloat16()
+    t = 80 if causal else 50
+    q = torch.randn(2, s, 16, 64, generator=gen).bfloat16()
+    keys = torch.randn(2, t, 64, generator=gen).bfloat16()
+    w = (torch.randn(2, s, 16, generator=gen) / 64).bfloat16()
+    visible = (torch.arange(s) + 1) // 4 if causal else None
     exact = reference.index_scores(q, keys, w)
-    got = NX_FAST.index_scores(q, keys, w, ParallelContext.single())
+    got = NX_FAST.index_scores(q, keys, w, ParallelContext.single(), visible)
     assert got.dtype == torch.bfloat16 and got.shape == exact.shape
     heads = torch.einsum("bshd,btd->bsht", q.double().abs(), keys.double().abs())   # S_h
     weighted = (heads * w.double().abs().unsqueeze(-1)).sum(2)
     bound = (2.0 ** -6 + 2 * (64 + 16) * U) * weighted * 1.02 + 2.0 ** -7 * exact.double().abs()
-    assert ((got.double() - exact.double()).abs() <= bound).all()
+    seen = torch.ones(s, t, dtype=torch.bool) if visible is None else torch.arange(t) < visible.unsqueeze(1)
+    assert ((got.double() - exact.double()).abs() <= bound)[:, seen].all()
+    if causal:      # the unseen scores of the first blocks were never made: less work, not other numbers
+        assert (got[:, :64, 16:] == 0).all() and not (got[:, -1] == 0).all()
 
 
 def test_dequant_of_stacked_experts_matches_one_by_one():

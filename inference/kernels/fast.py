@@ -11,9 +11,10 @@ dequantised activation and weight accumulated in fp32 forms exactly the referenc
 
 No Python loop here grows with head_dim, the number of K blocks, the number of experts or the number of
 tokens of a decode step: a GEMM is one matmul; attention scores are one batched matmul, the chunked online
-softmax is rebuilt from a cumulative max over the chunk maxima, P.V is one batched matmul over the chunks;
-the only loops left run over query blocks of a prefill (bounding memory) and Sinkhorn's fixed iteration
-count (sequential by nature; the fused kernel is the fast path there).
+softmax is rebuilt from a cumulative max over the chunk maxima, P.V is one batched matmul over the chunks (on
+the CPU a prefill's block of queries scores and sums over the union of the rows they attend to, one GEMM
+each); the only loops left run over query blocks of a prefill (bounding memory) and Sinkhorn's fixed
+iteration count (sequential by nature; the fused kernel is the fast path there).
 
 Memory: a non-expert FP8/FP4 weight is dequantised once and kept in the compute dtype (in its Derived):
 bf16 on CUDA, 2 bytes per weight next to its 1 (FP8) or 0.5 (FP4) stored bytes (released config: 6.0 G
@@ -22,10 +23,12 @@ cached. Routed experts are not cached off CPU: a decode step stacks and dequanti
 selects (fixed_shape_experts; released config, batch 1: 6 experts x 3 matrices of 5120 x 2304, 0.4 GiB of
 bf16 for the duration of one layer), a prefill each active expert once per call.
 
-Measured on the reference-tiny fixture, teacher-forced (the prompt, then 20 single-token steps), on CPU:
-    fast vs exact:                 logits max |d| 0.094, mean |d| 0.016; same argmax at 20 of 21 steps
-    fast vs the reference logits:  max |d| 0.134, mean |d| 0.018 (exact: 0.156 / 0.016 on this CPU)
-    argmax vs the reference:       20 of 21 steps; the one miss has a reference top-1/top-2 margin of 0.015
+Measured on the reference-tiny fixture, teacher-forced (the prompt, then 20 single-token steps), on CPU, one
+thread (docs/numerics.md §16.3):
+    fast vs exact:                 logits max |d| 0.105, mean |d| 0.015; same argmax at 20 of 21 steps (the
+                                   miss where exact's top-1/top-2 margin is 0.015)
+    fast vs the reference logits:  max |d| 0.147, mean |d| 0.016 (exact: 0.156 / 0.016 on this CPU)
+    argmax vs the reference:       21 of 21 steps
     one thread, ms per decode step: fixture 35 (exact ~80); inference.tools.bench tiny (129k vocabulary,
     fp32 head) 76-87 at context 256 (exact 134-148), 95-105 at 1024 (exact 170-196); prefill 1.4-2x faster.
 tests/test_kernels_dispatch.py asserts max |d| <= 0.25, mean |d| <= 0.03 against the reference logits and
@@ -117,11 +120,49 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     chunk's P.V and denominator are then rescaled to the final max with exp(m_c - m_last) rather than by the
     product of the per-step factors (same value, fp32-level rounding apart)."""
     m = q.shape[1]
+    attend = _attend if q.is_cuda or m == 1 else _attend_shared
     if m <= q_block:
-        return _attend(q, kv, sink, idx, scale)
+        return attend(q, kv, sink, idx, scale)
     out = torch.empty_like(q)
     for m0 in range(0, m, q_block):  # prefill only: bounds the gathered KV memory
-        out[:, m0:m0 + q_block] = _attend(q[:, m0:m0 + q_block], kv, sink, idx[:, m0:m0 + q_block], scale)
+        out[:, m0:m0 + q_block] = attend(q[:, m0:m0 + q_block], kv, sink, idx[:, m0:m0 + q_block], scale)
+    return out
+
+
+def _chunk_probabilities(s: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype):
+    """Scores s [B, M, H, T'] (T' = nc * 64) in each query's index order -> (p [B, M, H, nc, 64] rounded to
+    `dtype` as the kernel rounds P, rescale [B, M, H, nc] = exp(m_c - m_last), den [B, M, H])."""
+    h = s.shape[2]
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf")).unflatten(-1, (-1, CHUNK))   # [B, M, H, nc, 64]
+    run = torch.cummax(s.amax(-1), dim=-1).values.clamp_min(-1e30)  # [B, M, H, nc] running max, as the kernel
+    p = torch.exp(s - run.unsqueeze(-1))                            # [B, M, H, nc, 64]
+    last = run[..., -1]                                             # [B, M, H]
+    rescale = torch.exp(run - last.unsqueeze(-1))                   # [B, M, H, nc]
+    den = (p.sum(-1) * rescale).sum(-1) + torch.exp(sink.float().view(1, 1, h) - last)
+    return p.to(dtype), rescale, den
+
+
+def _attend_shared(q, kv, sink, idx, scale):
+    """_attend for a block of queries on the CPU (a prefill): neighbouring queries attend to mostly the same
+    KV rows (the window slides by one, the index picks from one pool), so the block's union of rows is
+    widened once and scored by one GEMM, instead of each query's 640 rows copied out. The same scores and
+    the same rounded P chunk by chunk as _attend; fp32 sums in another order: a score's D products in this
+    GEMM's order, and P.V summed over the union with each P already times its chunk's rescale."""
+    b, m, h, d = q.shape
+    t = idx.shape[-1]
+    nc = max(1, -(-t // CHUNK))
+    idx = F.pad(idx, (0, nc * CHUNK - t), value=-1).long()           # [B, M, T'], T' = nc * 64
+    out = torch.empty_like(q)
+    for i in range(b):
+        rows, where = torch.unique(idx[i].clamp_min(0), return_inverse=True)   # [U], [M, T'] into rows
+        kv_u = kv[i, rows].float()                                  # [U, D] the block's rows, widened once
+        s_u = torch.mm(q[i].reshape(m * h, d).float(), kv_u.t()).view(m, h, -1)          # [M, H, U]
+        s = s_u.gather(-1, where.unsqueeze(1).expand(m, h, -1)) * scale                   # [M, H, T']
+        p, rescale, den = _chunk_probabilities(s.unsqueeze(0), idx[i:i + 1] >= 0, sink, kv.dtype)
+        w = (p.float() * rescale.unsqueeze(-1)).flatten(-2)[0]       # [M, H, T'] fp32 (invalid: 0)
+        p_u = torch.zeros_like(s_u).scatter_add_(-1, where.unsqueeze(1).expand(m, h, -1), w)  # [M, H, U]
+        acc = torch.mm(p_u.view(m * h, -1), kv_u).view(m, h, d)     # [M, H, D]
+        out[i] = (acc / den[0].unsqueeze(-1)).to(q.dtype)
     return out
 
 
@@ -138,31 +179,39 @@ def _attend(q, kv, sink, idx, scale):
     if not rows.is_cuda:     # widened once here: matmul_fp32 would widen it twice, once transposed (a copy)
         rows = rows.float()
     s = matmul_fp32(q, rows.transpose(-1, -2)) * scale              # [B, M, H, T'] fp32, exact products
-    s = s.masked_fill(~valid.unsqueeze(2), float("-inf")).unflatten(-1, (nc, CHUNK))   # [B, M, H, nc, 64]
-    run = torch.cummax(s.amax(-1), dim=-1).values.clamp_min(-1e30)  # [B, M, H, nc] running max, as the kernel
-    p = torch.exp(s - run.unsqueeze(-1))                            # [B, M, H, nc, 64]
-    last = run[..., -1]                                             # [B, M, H]
-    rescale = torch.exp(run - last.unsqueeze(-1))                   # [B, M, H, nc]
-    den = (p.sum(-1) * rescale).sum(-1) + torch.exp(sink.float().view(1, 1, h) - last)
-    pc = p.to(kv.dtype).permute(0, 1, 3, 2, 4)                      # [B, M, nc, H, 64], the kernel's P cast
+    p, rescale, den = _chunk_probabilities(s, valid, sink, kv.dtype)
+    pc = p.permute(0, 1, 3, 2, 4)                                   # [B, M, nc, H, 64], the kernel's P cast
     pv = matmul_fp32(pc, rows.unflatten(2, (nc, CHUNK)))            # [B, M, nc, H, D] fp32
     acc = (pv * rescale.transpose(-1, -2).unsqueeze(-1)).sum(2)     # [B, M, H, D]
     return (acc / den.unsqueeze(-1)).to(q.dtype)
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                 max_elems: int = 1 << 26) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, max_elems: int = 1 << 26,
+                 visible: torch.Tensor = None) -> torch.Tensor:
     """reference.index_scores with explicit rounding points: per-head q.k accumulated in fp32 and rounded to
     bf16, ReLU, times w rounded to bf16, summed over heads in fp32 and rounded to bf16.
-    q [B, S, H, D], keys [B, T, D], w [B, S, H] -> [B, S, T] bf16. Query chunks in long prefills only."""
+    q [B, S, H, D], keys [B, T, D], w [B, S, H] -> [B, S, T] bf16. Query chunks in long prefills only; with
+    `visible` [S] (a CPU tensor: the keys each query may see), in eighths of the queries, each scoring only
+    the keys its queries see (the rest left 0, for the caller's mask): half the work of a causal prefill."""
     b, s, h, _ = q.shape
-    rows = max(1, max_elems // max(1, b * h * keys.shape[1]))
+    t = keys.shape[1]
+    rows = max(1, max_elems // max(1, b * h * t))
+    if visible is not None:
+        rows = min(rows, max(64, -(-s // 8)))
+    out = torch.zeros(b, s, t, dtype=w.dtype, device=q.device) if visible is not None and rows < s else None
     parts = []
     for s0 in range(0, s, rows):
         qc = q[:, s0:s0 + rows]                                     # [B, s', H, D]
-        score = matmul_fp32(qc.flatten(1, 2), keys.transpose(-1, -2)).to(q.dtype)   # [B, s'*H, T]
+        tc = t if out is None else min(t, int(visible[s0:s0 + rows].max()))
+        score = matmul_fp32(qc.flatten(1, 2), keys[:, :tc].transpose(-1, -2)).to(q.dtype)   # [B, s'*H, T']
         score = score.unflatten(1, (qc.shape[1], h)).relu_() * w[:, s0:s0 + rows].unsqueeze(-1)
-        parts.append(score.float().sum(dim=2).to(w.dtype))
+        score = score.float().sum(dim=2).to(w.dtype)               # [B, s', T']
+        if out is None:
+            parts.append(score)
+        else:
+            out[:, s0:s0 + rows, :tc] = score
+    if out is not None:
+        return out
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
@@ -317,8 +366,10 @@ class Fast(Exact):
     def sparse_attn(self, q, kv, sink, idx, scale):
         return sparse_attn(q, kv, sink, idx, scale)
 
-    def local_index_scores(self, q, keys, w):
-        return index_scores(q, keys, w)
+    def local_index_scores(self, q, keys, w, visible=None):
+        """On the CPU a prefill's query blocks score only the keys they may see (a causal prefill's early
+        blocks see few); on a GPU every key (reading `visible` there would wait for the device)."""
+        return index_scores(q, keys, w, visible=None if q.is_cuda else visible)
 
     def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu):
         return fixed_shape_experts(stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu,

@@ -531,8 +531,8 @@ class Invariant(Numerics):
     def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
         return hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
 
-    def index_scores(self, q, keys, w, par):
-        """The head sum continues across the ranks in its tree (no all-reduce after)."""
+    def index_scores(self, q, keys, w, par, visible=None):
+        """The head sum continues across the ranks in its tree (no all-reduce after); every score made."""
         return index_scores(q, keys, w, par)
 
     def act_quant(self, x, block=32):

@@ -250,12 +250,16 @@ class Numerics:
         """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]."""
         raise NotImplementedError
 
-    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, par) -> torch.Tensor:
+    def index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, par,
+                     visible: Optional[torch.Tensor] = None) -> torch.Tensor:
         """sum_h ReLU(q_h . k) * w_h over the heads of every rank (this rank holds q and w of its heads):
-        q [B, S, H_l, D], keys [B, T, D], w [B, S, H_l] -> [B, S, T] bf16, bf16 partials all-reduced."""
-        return par.all_reduce(self.local_index_scores(q, keys, w))
+        q [B, S, H_l, D], keys [B, T, D], w [B, S, H_l] -> [B, S, T] bf16, bf16 partials all-reduced.
+        `visible` [S]: the keys each query may see (its first ones); an order may leave the scores past them
+        unmade (0), which the caller masks."""
+        return par.all_reduce(self.local_index_scores(q, keys, w, visible))
 
-    def local_index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def local_index_scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
+                           visible: Optional[torch.Tensor] = None) -> torch.Tensor:
         raise NotImplementedError
 
     # ---- the caches' round trips (golden numerics skip them) ----

@@ -239,7 +239,7 @@ class Exact(Numerics):
     def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
         return hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
 
-    def local_index_scores(self, q, keys, w):
+    def local_index_scores(self, q, keys, w, visible=None):
         return index_scores(q, keys, w)
 
     def act_quant(self, x, block=32):

@@ -998,7 +998,7 @@ class TileLang(Fast):
     def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
         return hc_split_sinkhorn(mixes.contiguous(), scale, base, hc, iters, eps, settings=self.settings)
 
-    def local_index_scores(self, q, keys, w):
+    def local_index_scores(self, q, keys, w, visible=None):
         return index_scores(q.contiguous(), keys.contiguous(), w.contiguous(), settings=self.settings)
 
     def act_quant(self, x, block=32):
