@@ -118,7 +118,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     idx [B, M, T] (-1 = none) -> [B, M, H, D]. The probabilities of chunk c are exp(s - m_c), m_c the running
     max after chunk c (a cumulative max over chunk maxima), rounded to kv's dtype as the kernel does; each
     chunk's P.V and denominator are then rescaled to the final max with exp(m_c - m_last) rather than by the
-    product of the per-step factors (same value, fp32-level rounding apart)."""
+    product of the per-step factors (same value, fp32-level rounding apart). A decode step and the GPU take
+    _attend (each query's rows gathered); a CPU prefill's query blocks take _attend_shared (their union of
+    rows)."""
     m = q.shape[1]
     attend = _attend if q.is_cuda or m == 1 else _attend_shared
     if m <= q_block:
@@ -145,9 +147,10 @@ def _chunk_probabilities(s: torch.Tensor, valid: torch.Tensor, sink: torch.Tenso
 def _attend_shared(q, kv, sink, idx, scale):
     """_attend for a block of queries on the CPU (a prefill): neighbouring queries attend to mostly the same
     KV rows (the window slides by one, the index picks from one pool), so the block's union of rows is
-    widened once and scored by one GEMM, instead of each query's 640 rows copied out. The same scores and
-    the same rounded P chunk by chunk as _attend; fp32 sums in another order: a score's D products in this
-    GEMM's order, and P.V summed over the union with each P already times its chunk's rescale."""
+    widened once and scored by one GEMM, instead of each query's 640 rows copied out. The rounding points of
+    _attend (P rounded chunk by chunk against the running max); fp32 sums in another order: a score's D
+    products in this GEMM's order, and P.V summed over the union with each P already times its chunk's
+    rescale."""
     b, m, h, d = q.shape
     t = idx.shape[-1]
     nc = max(1, -(-t // CHUNK))
