@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from inference.kernels import host_experts as he
+from inference.kernels import native
 from inference.kernels.fast import dequant_weight, quant_act
 from inference.moe import Expert
 
@@ -129,7 +130,7 @@ def test_a_linear_from_its_stored_bytes(variant, kind, lead):
 def test_the_kernel_refuses_activations_in_another_order():
     """he_run checks the order its caller quantised the activations in (_order): MXFP4 in the build's own,
     FP8 in 0, and on AVX2 order 4 (blocks in pairs) for jobs of one row only; else -1, nothing written."""
-    lib = he._library(NATIVE[0], he._compiler(), he._cache_dir())
+    lib = he._library(NATIVE[0], native.compiler(), native.cache_dir())
     w, s = stored("fp4", 1, 8, 64, torch.Generator().manual_seed(3))
     x = he._activations(lib, torch.ones(2, 64, dtype=torch.bfloat16), he._order("fp4", NATIVE[0]))
     y = torch.full((2, 8), float("nan"))                            # untouched rows stay NaN
@@ -215,7 +216,7 @@ def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
     x[3, :32] = -0.0
     x[4] = torch.randn(160, generator=gen) * 1e-6
     x = x.bfloat16()
-    lib = he._library(variant, he._compiler(), he._cache_dir())
+    lib = he._library(variant, native.compiler(), native.cache_dir())
     got = he._activations(lib, x, order)
     want = he.activations_torch(x, order)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

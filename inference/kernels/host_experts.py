@@ -86,7 +86,7 @@ def _resolved(variant: Optional[str]):
     """resolve(variant) and its loaded kernel (None for torch). Looked up once per setting: a decode step
     asks once per Linear."""
     return _resolved_for(variant or os.environ.get(ENV) or "auto", torch.backends.cpu.get_cpu_capability(),
-                         _compiler(), _cache_dir())
+                         native.compiler(), native.cache_dir())
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,8 +105,6 @@ def _resolved_for(name: str, capability: str, cc: Optional[str], cache_dir: str)
     lib = _library(v, cc, cache_dir)
     return (v, lib) if lib is not None else ("torch", None)
 
-
-_compiler, _cache_dir = native.compiler, native.cache_dir
 
 
 @functools.lru_cache(maxsize=None)

@@ -109,6 +109,10 @@ class KindTimer:
                 return super().pop()
         self.kinds, self.seconds, self.mark = Kinds(), {}, time.perf_counter()
 
+    def restart(self) -> None:
+        """Time from now (what ran before is nobody's)."""
+        self.seconds, self.mark = {}, time.perf_counter()
+
     def switch(self) -> None:
         now = time.perf_counter()
         kind = self.kinds[-1] if self.kinds else "other"
@@ -129,11 +133,11 @@ def breakdown(model, context: int, steps: int, gen: torch.Generator) -> Tuple[st
     ids = torch.randint(3, model.args.vocab_size, (1, context + steps), generator=gen).to(model.ctx.device)
     timers = KindTimer(), KindTimer()
     with attribute(model, timers[0]):
-        timers[0].mark = time.perf_counter()
+        timers[0].restart()
         model.prefill(ids[:, :context])
         timers[0].switch()
     with attribute(model, timers[1]):
-        timers[1].mark = time.perf_counter()
+        timers[1].restart()
         for i in range(steps):
             model.decode(ids[:, context + i:context + i + 1], context + i)
         timers[1].switch()
@@ -199,8 +203,8 @@ def main(argv=None):
               f"{per_token / 1e6:.1f} MB of weights read per decode step")
         results = {}
         if opts.no_warm_up:
-            print(f"[{name}] no first call: the first prefill below builds the layouts the numerics derive "
-                  f"from the weights (a fresh process's first prompt)")
+            print(f"[{name}] no first call: the first prefill and decode step below build the layouts the "
+                  f"numerics derive from the weights (a fresh process's first prompt)")
         else:
             warm = warm_up(model, gen)
             print(f"[{name}] first call (a prefill of {WARM_UP} tokens and a decode step): {warm:.2f} s, the "
