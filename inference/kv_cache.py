@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .quant import FP8_MAX, CodeTables, ceil_pow2
+from .quant import FP4_MAX, FP8_MAX, CodeTables, pow2_scale
 
 E4M3_MIN_SCALE = 2.0 ** -9     # the smallest E4M3 scale the compressed-KV rounding uses (an all-zero group)
 DECODE_CHUNK = 1 << 22         # values decoded at a time on a read
@@ -70,13 +70,14 @@ def decode(fmt: str, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.bflo
     code times scale in fp32, then one cast). `tables`: the device's CodeTables (made here when not given)."""
     f = FORMATS[fmt]
     v = _code_values(f, codes, tables).unflatten(-1, (scales.shape[-1], f.block))   # [..., G, block]
-    return (v * _scale_value(f, scales).unsqueeze(-1)).flatten(-2).to(dtype)
+    out = torch.empty(v.shape, dtype=dtype, device=v.device)       # the fp32 product rounded as it is stored
+    return torch.mul(v, _scale_value(f, scales).unsqueeze(-1), out=out).flatten(-2)
 
 
 def _scale_bytes(f: Format, scale: torch.Tensor) -> torch.Tensor:
-    """Candidate scales [..., G] fp32 -> their bytes (a power of two: its exponent field; E4M3: the cast)."""
+    """Candidate scales [..., G] fp32 -> their bytes (a power of two: the UE8M0 cast, exact; E4M3: a cast)."""
     if f.scale == "ue8m0":
-        return (scale.view(torch.int32) >> 23).to(torch.uint8)
+        return scale.to(torch.float8_e8m0fnu).view(torch.uint8)
     return scale.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -96,31 +97,21 @@ def encode(fmt: str, x: torch.Tensor, tables: Optional[CodeTables] = None):
     back bit for bit; CacheFormatError if some group is not on the format's grid (on a GPU an asynchronous
     device assertion: no host sync).
 
-    Scales: a power-of-two format has one candidate (the smallest power of two >= amax / max code); an E4M3
-    scale has three (amax / 6, amax / 4, 2^-9), the first that reproduces a group wins."""
+    Scales: a power-of-two format has one candidate (the smallest power of two >= amax / max code), whose
+    code times scale must give each x; an E4M3 scale has three (amax / 6, amax / 4, 2^-9), the first whose
+    round trip reproduces a group wins. (The codes keep the sign of zero: comparing values suffices.)"""
     f = FORMATS[fmt]
     tables = tables or CodeTables(x.device)
     g = x.unflatten(-1, (x.shape[-1] // f.block, f.block))                            # [..., G, block]
-    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1).float()                  # [..., G], exact
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, dtype=torch.float32)     # [..., G], exact
     if f.scale == "ue8m0":
-        top = FP8_MAX if f.codes == "e4m3" else 6.0
-        floor = 1e-4 if f.codes == "e4m3" else 6 * 2.0 ** -126     # keep amax / top a normal fp32
-        candidates = [ceil_pow2(amax.clamp_min(floor) / top)]
+        top, floor = (FP8_MAX, 1e-4) if f.codes == "e4m3" else (FP4_MAX, 6 * 2.0 ** -126)  # amax / top normal
+        scale = pow2_scale(amax, floor, top)                                          # [..., G]
+        codes = _codes(f, (g / scale.unsqueeze(-1)).flatten(-2), tables)              # [..., C]
+        back = _code_values(f, codes, tables).unflatten(-1, g.shape[-2:]) * scale.unsqueeze(-1)   # exact
+        sbytes, ok = _scale_bytes(f, scale), back.flatten(-2) == x                    # ok [..., D]
     else:
-        candidates = [amax / 6, amax / 4, torch.full_like(amax, E4M3_MIN_SCALE)]
-    want = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
-    codes = sbytes = ok = None
-    for cand in reversed(candidates):            # the first candidate that reproduces a group wins
-        s = _scale_bytes(f, cand)
-        value = cand if f.scale == "ue8m0" else _scale_value(f, s)      # a power of two is its byte's value
-        c = _codes(f, (g / value.unsqueeze(-1)).flatten(-2), tables)
-        back = decode(fmt, c, s, x.dtype, tables).view(want.dtype)
-        good = (back == want).unflatten(-1, s.shape[-1:] + (f.block,)).all(-1)       # [..., G]
-        if codes is None:
-            codes, sbytes, ok = c, s, good
-        else:
-            pick = good.repeat_interleave(c.shape[-1] // s.shape[-1], dim=-1)
-            codes, sbytes, ok = torch.where(pick, c, codes), torch.where(good, s, sbytes), ok | good
+        codes, sbytes, ok = _encode_e4m3_scaled(fmt, f, g, amax, x, tables)
     message = (f"KV cache value not on the {fmt} grid: the values written were not rounded the way the cache "
                f"format assumes (a kernel that rounds differently?)")
     if x.device.type == "cpu":
@@ -129,6 +120,25 @@ def encode(fmt: str, x: torch.Tensor, tables: Optional[CodeTables] = None):
     else:       # checked on the device, without a host sync in the step (a failure stops the next sync)
         torch._assert_async(ok.all(), message)
     return codes, sbytes
+
+
+def _encode_e4m3_scaled(fmt: str, f: Format, g: torch.Tensor, amax: torch.Tensor, x: torch.Tensor,
+                        tables: CodeTables):
+    """encode's candidates for an E4M3 scale: (codes, scale bytes, ok [..., G]: a group reproduced)."""
+    candidates = [amax / 6, amax / 4, torch.full_like(amax, E4M3_MIN_SCALE)]
+    want = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+    codes = sbytes = ok = None
+    for cand in reversed(candidates):            # the first candidate that reproduces a group wins
+        s = _scale_bytes(f, cand)
+        c = _codes(f, (g / _scale_value(f, s).unsqueeze(-1)).flatten(-2), tables)
+        back = decode(fmt, c, s, x.dtype, tables).view(want.dtype)
+        good = (back == want).unflatten(-1, s.shape[-1:] + (f.block,)).all(-1)       # [..., G]
+        if codes is None:
+            codes, sbytes, ok = c, s, good
+        else:
+            pick = good.repeat_interleave(c.shape[-1] // s.shape[-1], dim=-1)
+            codes, sbytes, ok = torch.where(pick, c, codes), torch.where(good, s, sbytes), ok | good
+    return codes, sbytes, ok
 
 
 class PackedCache(nn.Module):

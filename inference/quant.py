@@ -58,6 +58,23 @@ def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
+# For amax = 1.m x 2^e, amax / top in fp32 (divided, or multiplied by fl(1 / top): the same) is at most
+# 2^(e - shift) while the mantissa bits m <= threshold, and above it past that: its smallest power of two >=
+# is 2^(e - shift), or twice that (tests/test_quant.py checks every mantissa against ceil_pow2).
+_POW2_OVER = {FP8_MAX: (0x600000, 8), FP4_MAX: (0x400000, 2)}     # top -> (threshold, shift)
+
+
+def pow2_scale(amax: torch.Tensor, floor: float, top: float) -> torch.Tensor:
+    """ceil_pow2(max(amax, floor) / top) for fp32 amax >= 0 and top 448 or 6 (floor >= top x 2^-126, so that
+    the quotient is a normal number): the same powers of two as the clamp, the division and ceil_pow2, in
+    three operations on amax's bits (the clamp; an add that carries into the exponent exactly when the
+    quotient's mantissa would be non-zero, the exponent lowered by `shift` at once; the mask). Finite amax
+    only: NaN or inf give some power of two, not NaN or inf."""
+    threshold, shift = _POW2_OVER[top]
+    bits = amax.clamp_min(floor).view(torch.int32)
+    return ((bits + (0x7FFFFF - threshold - (shift << 23))) & 0x7F800000).view(torch.float32)
+
+
 def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte e -> 2^(e-127) in fp32 (byte 0 is the fp32 subnormal 2^-127, not zero; 255 is NaN): torch's
     own conversion of float8_e8m0fnu, exact."""

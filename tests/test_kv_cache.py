@@ -48,6 +48,23 @@ def test_values_off_the_grid_are_refused():
         encode("fp4_e4m3", torch.linspace(0.1, 0.9, 32).to(torch.bfloat16).view(2, 16))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_ue8m0"])
+def test_values_off_a_power_of_two_grid_are_refused(fmt):
+    """A power-of-two format's one candidate scale is checked value by value (code times scale must give the
+    value written): one value a bf16 ulp off the grid is refused, and so is a tiny value beside a large one
+    (2^-133 beside 2^100: x / s underflows to a zero code, which gives 0 back, not 2^-133)."""
+    on = torch.tensor([[1.0, -0.5, 0.25, 0.0] * 8], dtype=torch.bfloat16)
+    back = decode(fmt, *encode(fmt, on))                                # on the grid: accepted
+    assert torch.equal(back, on)
+    off = on.clone()
+    off[0, 0] = torch.nextafter(off[0, 0], torch.full((), 2.0, dtype=off.dtype))   # 1 + 2^-7: needs 8 bits
+    tiny = torch.zeros(1, 32, dtype=torch.bfloat16)
+    tiny[0, 0], tiny[0, 1] = 2.0 ** 100, 2.0 ** -133
+    for bad in (off, tiny):
+        with pytest.raises(CacheFormatError, match=f"{fmt} grid"):
+            encode(fmt, bad)
+
+
 def test_packed_cache_indexes_like_the_buffer_it_replaces(monkeypatch):
     import inference.kv_cache
     monkeypatch.setattr(inference.kv_cache, "DECODE_CHUNK", 3 * 64)      # reads decode 3 rows at a time

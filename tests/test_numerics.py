@@ -10,8 +10,8 @@ from inference.kernels import numerics_for
 from inference.indexer import select_candidate_blocks, topk_indices
 from inference.kernels.reference import (act_quant, block_scaled_gemm, fp4_qdq_e4m3_, fp4_qdq_e8m0_,
                                         fp8_qdq_)
-from inference.quant import (ceil_pow2, dequant_fp4_weight, e2m1_round, float_to_ue8m0, ue8m0_to_float,
-                             unpack_fp4)
+from inference.quant import (C6, C448, FP4_MAX, FP8_MAX, ceil_pow2, dequant_fp4_weight, e2m1_round,
+                             float_to_ue8m0, pow2_scale, ue8m0_to_float, unpack_fp4)
 from inference.rope import apply_rotary_, precompute_freqs_cis
 from inference.kernels.reference import hc_split_sinkhorn, sparse_attn
 
@@ -59,6 +59,21 @@ def test_ceil_pow2_and_ue8m0():
     assert torch.tensor([1.45]).to(torch.float8_e8m0fnu).float().item() == 1.0
     assert ue8m0_to_float(torch.tensor([0, 127, 130], dtype=torch.uint8)).tolist() == [2.0 ** -127, 1.0, 8.0]
     assert ue8m0_to_float(float_to_ue8m0(torch.tensor([0.25, 4.0]))).tolist() == [0.25, 4.0]
+
+
+def test_pow2_scale_is_the_clamp_the_quotient_and_ceil_pow2():
+    """pow2_scale (three operations on amax's bits) against the clamp, amax / top (multiplied by fl(1 / top),
+    as the reference does, and divided, as the cache does) and ceil_pow2, for both tops: every fp32 mantissa
+    in the floor's binade, in [1, 2) and in the largest binade, the floor's neighbours and zero."""
+    m = torch.arange(1 << 23, dtype=torch.int32)
+    for top, floor, recip in ((FP8_MAX, 1e-4, C448), (FP4_MAX, 6 * 2.0 ** -126, C6)):
+        e_floor = int(torch.tensor(floor).view(torch.int32)) >> 23
+        near = torch.tensor([0.0, floor]).nextafter(torch.tensor([1.0, 0.0]))
+        for e in (e_floor, 127, 254):
+            a = torch.cat([(m | (e << 23)).view(torch.float32), near, torch.tensor([0.0, floor])])
+            got = pow2_scale(a, floor, top)
+            assert torch.equal(got, ceil_pow2(a.clamp_min(floor) * recip)), (top, e)
+            assert torch.equal(got, ceil_pow2(a.clamp_min(floor) / top)), (top, e)
 
 
 def test_e2m1_ties_to_even():
