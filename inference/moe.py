@@ -84,10 +84,16 @@ class Expert(nn.Module):
 
 
 def stacked_experts(dim: int, inter_dim: int, kind: str, n: int, device=None):
-    """{projection: (weights [n, ...], scales [n, ...] or None)} for n SwiGLU experts of `kind`."""
-    sizes = {"w1": (dim, inter_dim), "w2": (inter_dim, dim), "w3": (dim, inter_dim)}
-    return {p: tuple(None if t is None else torch.empty(n, *t[0], dtype=t[1], device=device)
-                     for t in linear_tensors(*io, kind)) for p, io in sizes.items()}
+    """{projection: (weights [n, ...], scales [n, ...] or None)} for n SwiGLU experts of `kind`. w1 and w3
+    (read by the same tokens) are the halves of one [2, n, ...] allocation each (weights, scales), so that a
+    decode step can gather and dequantise both with one operation each (fast.fixed_shape_experts)."""
+    def empty(lead, io):
+        return [None if t is None else torch.empty(*lead, *t[0], dtype=t[1], device=device)
+                for t in linear_tensors(*io, kind)]
+    gate_up = empty((2, n), (dim, inter_dim))                        # [2, n, ...]: w1's rows, then w3's
+    return {"w1": tuple(None if t is None else t[0] for t in gate_up),
+            "w2": tuple(empty((n,), (inter_dim, dim))),
+            "w3": tuple(None if t is None else t[1] for t in gate_up)}
 
 
 class MoE(nn.Module):

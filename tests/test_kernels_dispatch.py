@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FIXTURE, ROOT, fixture_file, fixture_model, fixture_tensors
@@ -19,9 +20,10 @@ from inference import kernels
 from inference.config import ConfigError, ModelArgs, RuntimeOptions
 from inference.kernels import fast, reference
 from inference.layers import Linear
+from inference.moe import stacked_experts
 from inference.parallel import ParallelContext
 from inference.quant import dequant_fp4_weight, dequant_fp8_weight
-from inference.kernels.fast import fixed_shape_experts
+from inference.kernels.fast import _gate_up_halves, fixed_shape_experts
 from inference.kernels.experts import looped_experts
 from inference.state import ForwardCall
 
@@ -138,9 +140,18 @@ def test_exact_scores_are_the_same_sums_three_ways(dtype, monkeypatch):
             assert torch.equal(at_once.view(torch.int32), other.view(torch.int32)), (b, m, h, c, d)
         assert not torch.equal(at_once, torch.einsum("bmhd,bmcd->bmhc", q.float(), rows))
 
-def test_quantizers_are_shared_by_both_torch_routes():
+def test_both_torch_routes_quantize_alike():
+    """The fast order's quantizers (fewer operations: a max-norm, scales from the maxima's bits, no clamp)
+    give the exact order's values: spreads over 2^+-40, zero and signed-zero blocks, maxima at 448 x 2^k and
+    6 x 2^k and one bf16 ulp above (where the scale's choice is decided)."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 7, 128, generator=gen).bfloat16() * 3
+    x = torch.randn(4, 7, 128, generator=gen) * 3
+    x[1] *= 2.0 ** torch.randint(-40, 41, (7, 128), generator=gen).float()
+    x[2, 0], x[2, 1, :32], x[2, 2, 5] = 0.0, -0.0, 1e-30
+    tops = torch.stack([top * 2.0 ** torch.arange(-8, 24.0) for top in (448.0, 6.0)])      # [2, 32]
+    x[3, :2] = tops.repeat(1, 4)
+    x = x.bfloat16()
+    x[3, 2:4] = torch.nextafter(x[3, :2], torch.tensor(float("inf"), dtype=torch.bfloat16))
     for name in ("fp8_qdq_", "fp4_qdq_e8m0_", "fp4_qdq_e4m3_"):
         a, b = getattr(NX_EXACT, name)(x.clone()), getattr(NX_FAST, name)(x.clone())
         assert torch.equal(a, b) and torch.equal(a, getattr(reference, name)(x.clone())), name
@@ -322,6 +333,7 @@ def test_fixed_shape_experts_equal_the_expert_loop(par):
     sync), run here on CPU tensors: both of its forms (gathered selections while N k <= local experts, else
     every local expert on every token) give the exact loop's numbers on the exact-arithmetic MoE."""
     exact_moe, fast_moe = exact_arithmetic_moe(par, EXACT), exact_arithmetic_moe(par, FAST)
+    assert _gate_up_halves(fast_moe.stacked) is not None            # w1 and w3 gathered together
     gen = torch.Generator().manual_seed(8)
     for n in (1, 2, 3, 5):                                           # N k = 3, 6 | 9, 15 for 8 (4) experts
         x = torch.randint(-8, 9, (n, exact_moe.ctx.args.dim), generator=gen).bfloat16()
@@ -333,6 +345,29 @@ def test_fixed_shape_experts_equal_the_expert_loop(par):
                                       fast_moe.n_experts, x, weights, idx, first.swiglu)   # [N, k, D]
             got = NX_FAST.combine_experts(out, idx, par)
         assert want.abs().sum() > 0 and torch.equal(got, want), n
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_fixed_shape_experts_gather_w1_and_w3_together_bit_for_bit(kind):
+    """w1 and w3 laid out side by side (moe.stacked_experts) are gathered, dequantised and multiplied as one
+    batch (or dequantised as one when every expert runs): the same bits as each alone (the same layout's
+    tensors copied apart), on random bytes."""
+    gen = torch.Generator().manual_seed(3)
+    stacked = stacked_experts(128, 96, kind, 8)
+    for w, s in stacked.values():
+        fp4 = torch.randint(0, 256, w.shape, generator=gen, dtype=torch.uint8)
+        fp8 = torch.randn(w.shape, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+        w.view(torch.uint8).copy_(fp4 if kind == "fp4" else fp8)
+        s.view(torch.uint8).copy_(torch.randint(118, 132, s.shape, generator=gen, dtype=torch.uint8))
+    apart = {p: tuple(t.clone() for t in ws) for p, ws in stacked.items()}
+    assert _gate_up_halves(stacked) is not None and _gate_up_halves(apart) is None
+    swiglu = lambda g, u, w: F.silu(g.float()) * u.float() * w                    # noqa: E731
+    for n, k in ((1, 6), (2, 3), (3, 2), (3, 6)):           # N k = 18 > 8: every expert, every token
+        x = torch.randn(n, 128, generator=gen).bfloat16()
+        idx, weights = torch.randint(0, 8, (n, k), generator=gen), torch.rand(n, k, generator=gen)
+        together, alone = (fixed_shape_experts(st, kind, 0, 8, 8, x, weights, idx, swiglu)
+                           for st in (stacked, apart))
+        assert together.abs().sum() > 0 and torch.equal(together, alone), (n, k)
 
 
 @pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],

@@ -38,7 +38,7 @@ from the arithmetic.
 import torch
 import torch.nn.functional as F
 
-from ..quant import C448, CodeTables, ceil_pow2
+from ..quant import FP4_MAX, FP8_MAX, CodeTables, e2m1_round, pow2_scale
 from .reference import CHUNK, Exact
 
 BLOCK = 32
@@ -81,18 +81,23 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: 
     return (values.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)
 
 
+def _block_amax(g: torch.Tensor) -> torch.Tensor:
+    """max |g| over the last dim in fp32 (exact): [..., b] -> [..., 1]."""
+    if g.is_cuda:        # one launch
+        return torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    return g.abs().amax(-1, keepdim=True).float()    # torch's CPU max-norm over 32 values is ~2x slower
+
+
 def quant_act(x: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
     """act_quant(x) dequantised: e4m3(x / s) * s per `block`, exact in bf16 and fp32. [..., K] -> [..., K].
-    The same values as reference.act_quant's in fewer operations: the block maxima by one reduction, no
-    clamp before the cast (|x / s| <= 448 by the choice of s, and torch's E4M3 cast saturates as the clamp
-    would)."""
+    The same values as reference.act_quant's in fewer operations (7 on a GPU): the block maxima by one
+    reduction, s from their bits (pow2_scale), no clamp before the cast (|x / s| <= 448 but for the rounding
+    of amax / 448, and torch's E4M3 cast gives 448 there as the clamp would), the cast in the division's
+    store."""
     g = x.unflatten(-1, (-1, block))                                                 # [..., K/b, b]
-    if g.is_cuda:        # one launch (exact either way)
-        amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    else:                # torch's CPU max-norm over 32 values is ~2x slower than abs, then max
-        amax = g.abs().amax(-1, keepdim=True).float()                                # [..., K/b, 1]
-    s = ceil_pow2(amax.clamp_min(1e-4) * C448)                                       # [..., K/b, 1]
-    q = (g / s).to(torch.float8_e4m3fn)
+    s = pow2_scale(_block_amax(g), 1e-4, FP8_MAX)                                    # [..., K/b, 1]
+    # quotient in fp32, rounded to E4M3 as it is stored (on the CPU torch stores through an fp32 temporary)
+    q = torch.div(g, s, out=torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=g.device))
     return q.to(dtype).mul_(s).flatten(-2)           # e4m3 x 2^k is exact in bf16: no rounding to move
 
 
@@ -135,7 +140,7 @@ def _chunk_probabilities(s: torch.Tensor, valid: torch.Tensor, sink: torch.Tenso
     """Scores s [B, M, H, T'] (T' = nc * 64) in each query's index order -> (p [B, M, H, nc, 64] rounded to
     `dtype` as the kernel rounds P, rescale [B, M, H, nc] = exp(m_c - m_last), den [B, M, H])."""
     h = s.shape[2]
-    s = s.masked_fill(~valid.unsqueeze(2), float("-inf")).unflatten(-1, (-1, CHUNK))   # [B, M, H, nc, 64]
+    s = torch.where(valid.unsqueeze(2), s, float("-inf")).unflatten(-1, (-1, CHUNK))   # [B, M, H, nc, 64]
     run = torch.cummax(s.amax(-1), dim=-1).values.clamp_min(-1e30)  # [B, M, H, nc] running max, as the kernel
     p = torch.exp(s - run.unsqueeze(-1))                            # [B, M, H, nc, 64]
     last = run[..., -1]                                             # [B, M, H]
@@ -177,16 +182,18 @@ def _attend(q, kv, sink, idx, scale):
         idx = F.pad(idx, (0, nc * CHUNK - t), value=-1)             # [B, M, T'], T' = nc * 64
     idx = idx.long()
     valid = idx >= 0
-    batch = torch.arange(b, device=q.device).view(b, 1, 1)
-    rows = kv[batch, idx.clamp_min(0)]                              # [B, M, T', D]
-    if not rows.is_cuda:     # widened once here: matmul_fp32 would widen it twice, once transposed (a copy)
-        rows = rows.float()
+    if q.is_cuda:        # one launch, the index broadcast along D
+        at = idx.clamp_min(0).flatten(1).unsqueeze(-1).expand(-1, -1, d)         # [B, M T', D]
+        rows = kv.gather(1, at).view(b, m, -1, d)                   # [B, M, T', D]
+    else:                # whole rows copied (a gather reads an index per value: 2-5x slower on the CPU) and
+        # widened once here (matmul_fp32 would widen them twice, once transposed: a copy)
+        rows = kv[torch.arange(b).view(b, 1, 1), idx.clamp_min(0)].float()      # [B, M, T', D]
     s = matmul_fp32(q, rows.transpose(-1, -2)) * scale              # [B, M, H, T'] fp32, exact products
     p, rescale, den = _chunk_probabilities(s, valid, sink, kv.dtype)
     pc = p.permute(0, 1, 3, 2, 4)                                   # [B, M, nc, H, 64], the kernel's P cast
     pv = matmul_fp32(pc, rows.unflatten(2, (nc, CHUNK)))            # [B, M, nc, H, D] fp32
     acc = (pv * rescale.transpose(-1, -2).unsqueeze(-1)).sum(2)     # [B, M, H, D]
-    return (acc / den.unsqueeze(-1)).to(q.dtype)
+    return torch.div(acc, den.unsqueeze(-1), out=q.new_empty(acc.shape))   # fp32 quotient, rounded as stored
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, max_elems: int = 1 << 26,
@@ -257,8 +264,9 @@ def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts:
     rank's experts start..start + E (of n_experts) of `kind`; x [N, D], weights and idx [N, k];
     `swiglu(gate, up, weights)` the expert activation -> [N, k, D] bf16, zero for other ranks' experts. The
     tokens' activations are quantised once for every selection. With N k <= E, each selection's expert
-    weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k selections;
-    otherwise every local expert runs on every token (moe_decode), which reads no weight twice."""
+    weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k selections
+    (w1 and w3 as one, when laid out side by side); otherwise every local expert runs on every token
+    (moe_decode), which reads no weight twice."""
     n, k = idx.shape
     own = None
     local = idx - start if start else idx                                            # [N, k]
@@ -275,17 +283,45 @@ def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts:
             s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
         return dequant_weight(w, s, kind, dtype, tables)
 
+    halves = _gate_up_halves(stacked)     # w1 and w3 side by side: gathered and dequantised together
     if n * k <= n_local:
         sel = local.flatten()                                                        # [N k]
-        xs = a.repeat_interleave(k, dim=0).unsqueeze(1)                              # [N k, 1, D]
-        gate, up = _bmm(xs, weights_of("w1", sel)), _bmm(xs, weights_of("w3", sel))   # [N k, 1, I]
+        if halves is None:
+            xs = a.repeat_interleave(k, dim=0).unsqueeze(1)                          # [N k, 1, D]
+            gate, up = _bmm(xs, weights_of("w1", sel)), _bmm(xs, weights_of("w3", sel))   # [N k, 1, I]
+        else:            # one gather, one dequantisation, one batched GEMM for both
+            w, s = halves                                                            # [2, E, ...]
+            w = w.view(torch.uint8)[:, sel].view(w.dtype)
+            s = None if s is None else s.view(torch.uint8)[:, sel].view(s.dtype)
+            w13 = dequant_weight(w, s, kind, dtype, tables).flatten(0, 1)            # [2 N k, I, D]
+            xs = a[None, :, None].expand(2, n, k, a.shape[-1]).reshape(2 * n * k, 1, -1)   # [2 N k, 1, D]
+            gate, up = _bmm(xs, w13).chunk(2)                                        # [N k, 1, I] each
         h = swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
         h = quant_act(h, dtype) if quantize else h.to(dtype)
         out = _bmm(h, weights_of("w2", sel)).view(n, k, -1)                          # [N, k, D]
     else:
-        out = moe_decode(a, local if own is None else torch.where(own, local, -1), weights, weights_of("w1"),
-                         weights_of("w3"), weights_of("w2"), quantize, swiglu, x.dtype)
+        w1, w3 = (weights_of("w1"), weights_of("w3")) if halves is None else \
+            dequant_weight(*halves, kind, dtype, tables).unbind(0)                  # [E, I, D] each
+        out = moe_decode(a, local if own is None else torch.where(own, local, -1), weights, w1, w3,
+                         weights_of("w2"), quantize, swiglu, x.dtype)
     return out if own is None else torch.where(own.unsqueeze(-1), out, 0)
+
+
+def _gate_up_halves(stacked):
+    """(weights [2, E, ...], scales [2, E, ...] or None) of which w1 and w3 are the halves [0] and [1]
+    (moe.stacked_experts lays them out so), or None for layouts made otherwise."""
+    pair = []
+    for t1, t3 in zip(stacked["w1"], stacked["w3"]):
+        if t1 is None or t3 is None:
+            pair.append(None if t1 is None and t3 is None else False)
+            continue
+        base = t1._base
+        side_by_side = (base is not None and t3._base is base and base.dim() == t1.dim() + 1
+                        and base.shape[0] == 2 and base.is_contiguous() and t1.shape == base.shape[1:]
+                        and t1.storage_offset() == base.storage_offset()
+                        and t3.storage_offset() == base.storage_offset() + base.stride(0))
+        pair.append(base if side_by_side else False)
+    return None if pair[0] is False or pair[1] is False else tuple(pair)
 
 
 def sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
@@ -293,7 +329,8 @@ def sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     [hc + 1, hc + 1] frame whose last column and row hold eps, so that a row (column) sum over the frame is
     the sum plus eps, and the [hc, hc] block is divided in place. -> pre [..., hc], post [..., hc], comb
     [..., hc, hc] (a view of the frame)."""
-    gates = torch.sigmoid(torch.addcmul(base[:2 * hc], mixes[..., :2 * hc], scale[:2].repeat_interleave(hc)))
+    pair = mixes[..., :2 * hc].unflatten(-1, (2, hc))                 # [..., 2, hc]: pre's and post's logits
+    gates = torch.sigmoid(torch.addcmul(base[:2 * hc].view(2, hc), pair, scale[:2].view(2, 1))).flatten(-2)
     pre, post = gates[..., :hc] + eps, 2 * gates[..., hc:]
     comb = torch.addcmul(base[2 * hc:], mixes[..., 2 * hc:], scale[2]).unflatten(-1, (hc, hc)).softmax(-1)
     frame = F.pad(comb, (0, 1, 0, 1), value=eps)                    # [..., hc + 1, hc + 1]
@@ -332,6 +369,18 @@ class Fast(Exact):
 
     def quant_linear(self, held, x):
         return gemm(x, self.dequantized(held, compute_dtype(x.device)))
+
+    def _fp8_qdq_(self, x, block):
+        """quant_act's values written back (reference.fp8_qdq_'s numbers: e4m3 x 2^k is exact in bf16)."""
+        return x.copy_(quant_act(x, x.dtype, block))
+
+    def _fp4_qdq_e8m0_(self, x, block):
+        """reference.fp4_qdq_e8m0_'s values in fewer operations: the block maxima by one reduction, s from
+        their bits (pow2_scale), no clamp (|x / s| <= 6 but for the rounding of amax / 6, which e2m1_round
+        takes to 6 as the clamp would)."""
+        g = x.unflatten(-1, (-1, block))                                             # [..., K/b, b]
+        s = pow2_scale(_block_amax(g), 6 * 2.0 ** -126, FP4_MAX)                     # [..., K/b, 1]
+        return x.copy_((e2m1_round(g / s) * s).flatten(-2))
 
     def linears(self, helds, x):
         """FP8/FP4 Linears that read the same x: its act_quant once (the same numbers: it works per row)."""
