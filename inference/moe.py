@@ -109,11 +109,11 @@ class MoE(nn.Module):
         self.routed = ctx.routed_experts          # how the routed experts are applied (kernels/experts.py)
         self.routed.check_kind(expert_kind)
         self.gate = Gate(a.dim, n_experts, topk, ctx, with_bias_vl)
-        # This rank's experts live in one layout per projection, [n_local, ...] weights and scales, on the
-        # model's device or in host memory (--experts-on host); each expert's Linears hold views of its row
-        # (the checkpoint names stay per expert). A decode step on a GPU indexes the experts it selects
-        # there, with shapes fixed by the batch: no host sync. (Weights streamed from disk replace each
-        # expert's tensors: they keep their own.)
+        # This rank's experts live in one layout per projection, [n_local, ...] weights and scales (w1's and
+        # w3's side by side in one allocation), on the model's device or in host memory (--experts-on host);
+        # each expert's Linears hold views of its row (the checkpoint names stay per expert). A decode step on
+        # a GPU indexes the experts it selects there, with shapes fixed by the batch: no host sync. (Weights
+        # streamed from disk replace each expert's tensors: they keep their own.)
         self.stacked = (None if ctx.streamed else stacked_experts(a.dim, a.moe_inter_dim, expert_kind,
                                                                   self.n_local, ctx.experts_device))
         if self.stacked is not None:
