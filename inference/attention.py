@@ -10,7 +10,7 @@ import torch.nn as nn
 from .compressor import Compressor
 from .config import ModelArgs
 from .indexer import Indexer
-from .kv_cache import gather_rows, register_cache
+from .kv_cache import PackedCache, gather_rows, register_cache
 from .layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear
 from .rope import apply_rotary_
 from .state import ForwardCall, Handoff, Kind, ModelContext, PublishedKeys
@@ -82,12 +82,12 @@ class Attention(nn.Module):
     def freqs(self) -> torch.Tensor:
         return self.ctx.freqs_for(self.layer_id)
 
-    def project(self, x: torch.Tensor, rope: torch.Tensor):
+    def project(self, x: torch.Tensor, rope: torch.Tensor, rounded_kv: bool = True):
         """x [B, S, D] -> (q [B, S, H_l, hd], qr [B, S, q_lora], kv [B, S, hd]): wq_a and wkv read the same x
         (the numerics may quantise it once for both). `rope`: the table's rows at the positions [S, ...]."""
         q_lat, kv = self.nx.linears((self.wq_a.held(), self.wkv.held()), x)
         q, qr = self.project_q(q_lat, rope)
-        return q, qr, self.project_kv(kv, rope)
+        return q, qr, self.project_kv(kv, rope, rounded_kv)
 
     def project_q(self, q_lat: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """wq_a's output [B, S, q_lora] -> (q [B, S, H_l, hd] rotated, qr [B, S, q_lora])."""
@@ -96,11 +96,12 @@ class Attention(nn.Module):
         apply_rotary_(q[..., -self.rope_dim:], rope, self.nx)
         return q, qr
 
-    def project_kv(self, kv: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """wkv's output [B, S, hd] -> the window KV, normed, rotated and rounded as the cache holds it."""
+    def project_kv(self, kv: torch.Tensor, rope: torch.Tensor, rounded: bool = True) -> torch.Tensor:
+        """wkv's output [B, S, hd] -> the window KV, normed, rotated and rounded as the cache holds it
+        (`rounded=False`: left for the packed ring to round as it stores it)."""
         kv = self.kv_norm(kv)                                                   # [B, S, hd]
         apply_rotary_(kv[..., -self.rope_dim:], rope, self.nx)
-        return self.nx.fp8_qdq_(kv)                                            # the cache's rounding
+        return self.nx.fp8_qdq_(kv) if rounded else kv                         # the cache's rounding
 
     def output(self, o: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, s = o.shape[:2]
@@ -115,8 +116,11 @@ class Attention(nn.Module):
         selection, a decode step's gathered compressed rows)."""
         b, s, _ = x.shape
         rope = call.rope(self.freqs())                                         # [S, rope_dim / 2]
-        q, qr, kv = self.project(x, rope)
-        kv_all = self.window_rows(kv, call)                                    # [B, n_win, hd]
+        # a decode step's row is rounded by a packed ring as it is stored: the rounding's codes are what the
+        # ring keeps (the same values as rounding the row, then encoding it, with no round trip to check)
+        packed_row = call.kind == Kind.DECODE and isinstance(self.kv_cache, PackedCache)
+        q, qr, kv = self.project(x, rope, rounded_kv=not packed_row)
+        kv_all = self.window_rows(kv, call, rounded=not packed_row)           # [B, n_win, hd]
         idx = call.window.expand(b, s, -1)                                      # [B, S, n_win] into kv_all
         if self.ratio > 0:
             handoff = self.compressed_path(x, qr, call, handoff)               # the selection made or taken
@@ -134,26 +138,29 @@ class Attention(nn.Module):
         cache and the list (handoff.rows); other calls read every row."""
         cache, topk = self.kv_source.attention.compress_cache, handoff.topk
         b = topk.shape[0]
-        valid = topk >= 0
         if call.kind != Kind.DECODE:
             keys = call.ratios[self.ratio].keys
-            return cache[:b, :keys], torch.where(valid, topk + offset, -1), handoff
+            return cache[:b, :keys], torch.where(topk >= 0, topk + offset, -1), handoff
         if handoff.rows is None or handoff.rows[0] is not cache or handoff.rows[1] is not topk:
             k = topk.shape[-1]
             rows = gather_rows(cache, b, topk[:, 0].long().clamp_min(0))                   # [B, k, hd]
             at = torch.arange(offset, offset + k, dtype=topk.dtype, device=topk.device)
-            handoff = replace(handoff, rows=(cache, topk, rows, torch.where(valid, at, -1)))
+            handoff = replace(handoff, rows=(cache, topk, rows, torch.where(topk >= 0, at, -1)))
         return handoff.rows[2], handoff.rows[3], handoff
 
-    def window_rows(self, kv: torch.Tensor, call: ForwardCall) -> torch.Tensor:
-        """Write the call's window KV into the ring and return the rows its window lists index."""
+    def window_rows(self, kv: torch.Tensor, call: ForwardCall, rounded: bool = True) -> torch.Tensor:
+        """Write the call's window KV into the ring and return the rows its window lists index (`rounded`
+        False: a decode step's row, which the packed ring rounds as it stores it)."""
         b, s, _ = kv.shape
         if call.kind == Kind.PREFILL:                # the call's own rows; the ring keeps the last window
             keep = min(s, self.window)
             self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
             return kv
         if call.kind == Kind.DECODE:                 # the ring, this position written first
-            self.kv_cache[:b, call.ring_slots] = kv
+            if rounded:
+                self.kv_cache[:b, call.ring_slots] = kv
+            else:
+                self.kv_cache.store_rounding((slice(0, b), call.ring_slots), kv)
             return self.kv_cache[:b]
         # CHUNK or VERIFY (docs/architecture.md §11.6): every row sees, in a decode step's layout, the ring as
         # it was before the call, then the call's own rows. The ring keeps the call's last window positions;

@@ -12,9 +12,11 @@ computed: any scale that puts every value of a group on the code grid gives the 
 of a few candidates always does (power-of-two scales: the smallest power of two >= amax / max code, which
 only rescales the codes by powers of two; E4M3 scales: amax / 6, amax / 4 or the smallest scale 2^-9,
 because the group's largest value always rounds to code 6 or 4 unless the scale was clamped to 2^-9).
-Every write is checked bit for bit: a value off the grid (a kernel that rounds differently) is an error, never
-a silent change (on a GPU an asynchronous device assertion, so that a decode step waits for nothing). Golden
-numerics, which do not round, keep plain full-precision buffers.
+Every write is checked bit for bit: a value off the grid (a kernel that rounds differently) is an error,
+never a silent change (on a GPU an asynchronous device assertion, so that a decode step waits for nothing).
+One write needs no check: a decode step's window row, which the ring rounds itself as it stores it
+(store_rounding: the FP8 rounding's own codes, the same values as the model's rounding). Golden numerics,
+which do not round, keep plain full-precision buffers.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -122,6 +124,21 @@ def encode(fmt: str, x: torch.Tensor, tables: Optional[CodeTables] = None):
     return codes, sbytes
 
 
+def round_to_codes(fmt: str, x: torch.Tensor):
+    """Unrounded values x [..., D] -> (codes [..., D] uint8, scale bytes [..., G]) of x rounded as the model
+    rounds a window KV row (act_quant's FP8: E4M3 of x / s, s the smallest power of two >= max(amax, 1e-4) /
+    448 per 32, the cast saturating where amax / 448 rounded down): the same values as the rounding, then
+    `encode`, with nothing to check (the codes are the rounding). The "fp8" format only."""
+    if fmt != "fp8":
+        raise ValueError(f"round_to_codes makes the fp8 format's codes, not {fmt}'s")
+    f = FORMATS[fmt]
+    g = x.unflatten(-1, (x.shape[-1] // f.block, f.block))                            # [..., G, block]
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = pow2_scale(amax, 1e-4, FP8_MAX)                                           # [..., G, 1]
+    q = torch.div(g, scale, out=torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=x.device))
+    return q.view(torch.uint8).flatten(-2), _scale_bytes(f, scale.squeeze(-1))
+
+
 def _encode_e4m3_scaled(fmt: str, f: Format, g: torch.Tensor, amax: torch.Tensor, x: torch.Tensor,
                         tables: CodeTables):
     """encode's candidates for an E4M3 scale: (codes, scale bytes, ok [..., G]: a group reproduced)."""
@@ -180,6 +197,13 @@ class PackedCache(nn.Module):
 
     def __setitem__(self, key, value: torch.Tensor) -> None:
         codes, scales = encode(self.fmt, value.to(self.dtype), self.tables)
+        self.codes[key] = codes
+        self.scales[key] = scales
+
+    def store_rounding(self, key, x: torch.Tensor) -> None:
+        """cache[key] = x rounded as the model rounds what enters this cache, from the rounding's own codes
+        (round_to_codes: the values of rounding x and storing them, without a round trip; "fp8" caches)."""
+        codes, scales = round_to_codes(self.fmt, x)
         self.codes[key] = codes
         self.scales[key] = scales
 

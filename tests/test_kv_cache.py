@@ -65,6 +65,24 @@ def test_values_off_a_power_of_two_grid_are_refused(fmt):
             encode(fmt, bad)
 
 
+def test_a_decode_row_rounded_as_it_is_stored_holds_the_rounded_values():
+    """A decode step's window row stored from the rounding's own codes (store_rounding) reads back exactly the
+    model's FP8 rounding of it (reference.fp8_qdq_), over every magnitude the samples hold (zero and tiny
+    groups, signed zeros, maxima at 448 x 2^k where the scale's choice is decided); other formats refuse."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 128, generator=g) * torch.exp2(torch.randint(-40, 12, (64, 1), generator=g).float())
+    x[0], x[1], x[2, :16] = 0.0, -0.0, 1e-30
+    x[3, :32] = 448.0 * 2.0 ** torch.arange(-8, 24.0)
+    x = x.to(torch.bfloat16)
+    x[4] = torch.nextafter(x[3], torch.tensor(float("inf"), dtype=torch.bfloat16))
+    cache = PackedCache((2, 64, 128), "fp8")
+    cache.store_rounding((slice(0, 1), torch.arange(64)), x[None])
+    assert torch.equal(cache[:1][0].view(torch.int16), fp8_qdq_(x.clone()).view(torch.int16))
+    assert cache[1:].abs().sum() == 0
+    with pytest.raises(ValueError, match="fp4_e4m3"):
+        PackedCache((1, 4, 32), "fp4_e4m3").store_rounding((slice(0, 1), torch.arange(1)), x[None, :1, :32])
+
+
 def test_packed_cache_indexes_like_the_buffer_it_replaces(monkeypatch):
     import inference.kv_cache
     monkeypatch.setattr(inference.kv_cache, "DECODE_CHUNK", 3 * 64)      # reads decode 3 rows at a time
