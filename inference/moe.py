@@ -27,7 +27,8 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [N, D] bf16 -> (weights [N, k] fp32, expert indices [N, k])."""
         nx = self.nx
-        logits = nx.dense(x.float(), self.weight, self.derived)                      # [N, E] fp32
+        w = self.derived.get(self.weight, "float32", self.weight.float)    # cast once, kept: [E, D] fp32
+        logits = nx.dense(x.float(), w, self.derived)                                # [N, E] fp32
         if self.gate_temp != 1.0:                                   # (x / 1 is x: no division then)
             logits = logits / self.gate_temp
         if self.score_func == "sqrtsoftplus":
@@ -61,14 +62,16 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter_dim, kind, ctx, keep_derived, held.get("w3"))
         self.limit = ctx.args.swiglu_limit
 
-    def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.apply_held(x, weights, self.w1.held(), self.w3.held(), self.w2.held())
+    def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                a: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`a`: the numerics' expert_activations(x), when the MoE layer made it."""
+        return self.apply_held(x, weights, self.w1.held(), self.w3.held(), self.w2.held(), a)
 
     def apply_held(self, x: torch.Tensor, weights: Optional[torch.Tensor], w1: Held, w3: Held,
-                   w2: Held) -> torch.Tensor:
+                   w2: Held, a: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The expert's formula on the given weights (its own, or a copy on the device of host experts)."""
         nx = self.nx
-        gate, up = nx.linears((w1, w3), x)                             # one activation, quantised once
+        gate, up = nx.linears((w1, w3), x, a)                          # one activation, quantised once
         return nx.linear(w2, self.swiglu(gate, up, weights).to(x.dtype))
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -138,7 +141,8 @@ class MoE(nn.Module):
         x = x.view(-1, shape[-1])                                    # [N, D]
         mask = image_mask.reshape(-1) if image_mask is not None else None
         weights, idx = call.per_position(self.gate, x, mask, dim=0)                      # [N, k] each
-        out = self.routed.apply(self, x, weights, idx, decode=shape[1] == 1)             # [N, k, D]
+        a = self.nx.expert_activations(x)          # x as the expert GEMMs read it, made once (or None)
+        out = self.routed.apply(self, x, weights, idx, shape[1] == 1, a)                 # [N, k, D]
         y = self.nx.combine_experts(out, idx, self.ctx.par)      # [N, D] fp32, every rank's, by expert index
-        y += self.shared_experts(x)
+        y += self.shared_experts(x, a=a)
         return y.to(x.dtype).view(shape)

@@ -351,7 +351,7 @@ def test_fixed_shape_experts_equal_the_expert_loop(par):
 def test_fixed_shape_experts_gather_w1_and_w3_together_bit_for_bit(kind):
     """w1 and w3 laid out side by side (moe.stacked_experts) are gathered, dequantised and multiplied as one
     batch (or dequantised as one when every expert runs): the same bits as each alone (the same layout's
-    tensors copied apart), on random bytes."""
+    tensors copied apart), on random bytes; and with the MoE layer's activations given."""
     gen = torch.Generator().manual_seed(3)
     stacked = stacked_experts(128, 96, kind, 8)
     for w, s in stacked.values():
@@ -368,6 +368,10 @@ def test_fixed_shape_experts_gather_w1_and_w3_together_bit_for_bit(kind):
         together, alone = (fixed_shape_experts(st, kind, 0, 8, 8, x, weights, idx, swiglu)
                            for st in (stacked, apart))
         assert together.abs().sum() > 0 and torch.equal(together, alone), (n, k)
+        # the activations made once by the MoE layer (expert_activations) give the same numbers
+        given = fixed_shape_experts(stacked, kind, 0, 8, 8, x, weights, idx, swiglu,
+                                    a=NX_FAST.expert_activations(x))
+        assert torch.equal(given, together), (n, k)
 
 
 @pytest.mark.parametrize("par", [ParallelContext.single(), SecondOfTwo(world_size=2, rank=1)],

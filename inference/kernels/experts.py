@@ -76,13 +76,14 @@ class StackedExperts:
     def hold(self, stacked) -> None:
         """Nothing to arrange for weights on the model's device."""
 
-    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-              decode: bool) -> torch.Tensor:
-        """-> [N, k, D], each selection's expert output (zero for other ranks' experts)."""
+    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, decode: bool,
+              a: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """-> [N, k, D], each selection's expert output (zero for other ranks' experts). `a`: the numerics'
+        expert_activations(x), when made."""
         if self.fixed_shapes and (decode or x.shape[0] <= 16):
             first = next(e for e in moe.experts if e is not None)
             return moe.nx.selected_experts(moe.stacked, first.w1.kind, moe.start, moe.n_local, moe.n_experts,
-                                           x, weights, idx, first.swiglu)
+                                           x, weights, idx, first.swiglu, a)
         return looped_experts(moe, x, weights, idx)
 
 
@@ -96,8 +97,8 @@ class StreamedExperts:
     def hold(self, stacked) -> None:
         """Streamed experts have no stacked layout."""
 
-    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-              decode: bool) -> torch.Tensor:
+    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, decode: bool,
+              a: Optional[torch.Tensor] = None) -> torch.Tensor:
         return looped_experts(moe, x, weights, idx)
 
 
@@ -125,9 +126,10 @@ class HostExperts:
         for w, _ in stacked.values():
             host_experts.advise_huge_pages(w)
 
-    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-              decode: bool) -> torch.Tensor:
-        """-> [N, k, D], each selection's expert output (zero for other ranks' experts), on x's device."""
+    def apply(self, moe, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, decode: bool,
+              a: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """-> [N, k, D], each selection's expert output (zero for other ranks' experts), on x's device (`a`
+        unused: the host kernel quantises on the host)."""
         n, k = idx.shape
         stage = self.stage                        # pinned buffers beside a GPU: one sync for the three copies
         if stage is not None and x.device.type != "cpu":

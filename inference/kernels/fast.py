@@ -257,13 +257,14 @@ def moe_decode(a: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, w1: t
 
 
 def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts: int, x: torch.Tensor,
-                        weights: torch.Tensor, idx: torch.Tensor, swiglu,
-                        tables: CodeTables = None) -> torch.Tensor:
+                        weights: torch.Tensor, idx: torch.Tensor, swiglu, tables: CodeTables = None,
+                        a: torch.Tensor = None) -> torch.Tensor:
     """The routed experts of a decode step (or a small call) with every shape fixed by N, k and the number of
     local experts E (no host sync): stacked {projection: (weights [E, ...], scales [E, ...] or None)}, this
     rank's experts start..start + E (of n_experts) of `kind`; x [N, D], weights and idx [N, k];
     `swiglu(gate, up, weights)` the expert activation -> [N, k, D] bf16, zero for other ranks' experts. The
-    tokens' activations are quantised once for every selection. With N k <= E, each selection's expert
+    tokens' activations are quantised once for every selection (or given: `a`, quant_act(x) in the compute
+    dtype, used for FP8/FP4 experts). With N k <= E, each selection's expert
     weights are gathered (bytes) and dequantised, one batched GEMM per projection over the N k selections
     (w1 and w3 as one, when laid out side by side); otherwise every local expert runs on every token
     (moe_decode), which reads no weight twice."""
@@ -274,7 +275,10 @@ def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts:
         own = (local >= 0) & (local < n_local)
         local = torch.where(own, local, 0)
     quantize, dtype = stacked["w1"][1] is not None, compute_dtype(x.device)
-    a = quant_act(x, dtype) if quantize else x.to(dtype)                             # [N, D]
+    if not quantize:
+        a = x.to(dtype)                                                              # [N, D]
+    elif a is None:
+        a = quant_act(x, dtype)
 
     def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
         w, s = stacked[name]
@@ -382,12 +386,13 @@ class Fast(Exact):
         s = pow2_scale(_block_amax(g), 6 * 2.0 ** -126, FP4_MAX)                     # [..., K/b, 1]
         return x.copy_((e2m1_round(g / s) * s).flatten(-2))
 
-    def linears(self, helds, x):
-        """FP8/FP4 Linears that read the same x: its act_quant once (the same numbers: it works per row)."""
+    def linears(self, helds, x, a=None):
+        """FP8/FP4 Linears that read the same x: its act_quant once (the same numbers: it works per row), or
+        `a` (expert_activations) when given."""
         if self.golden or any(h.scale is None for h in helds):
             return super().linears(helds, x)
         dtype = compute_dtype(x.device)
-        a = quant_act(x, dtype)
+        a = quant_act(x, dtype) if a is None else a
         return tuple(gemm(x, self.dequantized(h, dtype), a) for h in helds)
 
     def rms_norm(self, x, weight, eps, derived):
@@ -423,9 +428,13 @@ class Fast(Exact):
         blocks see few); on a GPU every key (reading `visible` there would wait for the device)."""
         return index_scores(q, keys, w, visible=None if q.is_cuda else visible)
 
-    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu):
+    def expert_activations(self, x):
+        """quant_act(x) in the compute dtype: what fixed_shape_experts and linears quantise x to."""
+        return None if self.golden else quant_act(x, compute_dtype(x.device))
+
+    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu, a=None):
         return fixed_shape_experts(stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu,
-                                   self.tables)
+                                   self.tables, a)
 
     def combine_experts(self, out, idx, par):
         """The k selections' outputs summed in fp32 in one reduction (not one add per expert in increasing

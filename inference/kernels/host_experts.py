@@ -390,6 +390,7 @@ class StoredLinears:
         return stored_linear(x, held.weight, held.scale, held.kind)
 
     linears = Numerics.linears          # the kernel quantises its own activations, call by call
+    expert_activations = Numerics.expert_activations
 
 
 class ExactStoredLinears(StoredLinears, Exact):

@@ -131,9 +131,10 @@ class Numerics:
             return self.dense(x, held.weight, held.derived)
         return self.quant_linear(held, x)
 
-    def linears(self, helds, x: torch.Tensor):
+    def linears(self, helds, x: torch.Tensor, a=None):
         """Several Linears that read the same x -> their outputs, in order. An order may quantise x once for
-        all of them (act_quant works per row: the same numbers as each Linear alone)."""
+        all of them (act_quant works per row: the same numbers as each Linear alone); `a`: this order's
+        expert_activations(x), when the MoE layer made it."""
         return tuple(self.linear(h, x) for h in helds)
 
     def quant_linear(self, held: Held, x: torch.Tensor) -> torch.Tensor:
@@ -291,8 +292,14 @@ class Numerics:
 
     # ---- the MoE's routed experts ----
 
+    def expert_activations(self, x: torch.Tensor):
+        """x [N, D] as this order's FP8/FP4 expert GEMMs read it, made once by an MoE layer for its routed and
+        shared experts (selected_experts' and linears' `a`; each uses it only where it quantises), or None
+        where each makes its own."""
+        return None
+
     def selected_experts(self, stacked, kind: str, start: int, n_local: int, n_experts: int, x: torch.Tensor,
-                         weights: torch.Tensor, idx: torch.Tensor, swiglu) -> torch.Tensor:
+                         weights: torch.Tensor, idx: torch.Tensor, swiglu, a=None) -> torch.Tensor:
         """The routed experts of a decode step (or a small call) with every shape fixed by the batch and the
         top-k, no host sync (orders with gathers_experts): stacked {projection: (weights [E, ...], scales
         [E, ...] or None)} this rank's experts start..start + n_local (of n_experts) of `kind`; x [N, D],

@@ -964,7 +964,11 @@ class TileLang(Fast):
         y = gemm(x2, held.weight, held.scale, settings=self.settings, quantized=quantized)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def linears(self, helds, x):
+    def expert_activations(self, x):
+        """None: the kernels quantise their own inputs (one act_quant kernel per call)."""
+        return None
+
+    def linears(self, helds, x, a=None):
         """FP8/FP4 Linears that read the same x: one act_quant kernel for all of them."""
         if any(h.scale is None for h in helds):
             return super().linears(helds, x)
@@ -972,7 +976,7 @@ class TileLang(Fast):
         quantized = act_quant(x2, GEMM_BLOCK, self.settings)
         return tuple(self.quant_linear(h, x2, quantized).view(*x.shape[:-1], -1) for h in helds)
 
-    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu):
+    def selected_experts(self, stacked, kind, start, n_local, n_experts, x, weights, idx, swiglu, a=None):
         """A decode step's routed experts by the expert GEMM kernel on the stored bytes: act_quant of the
         tokens, w1 and w3 per selection, the SwiGLU, act_quant, w2 per selection (fixed shapes, no sync)."""
         if kind not in ("fp8", "fp4"):
