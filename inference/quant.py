@@ -60,7 +60,7 @@ def ceil_pow2(y: torch.Tensor) -> torch.Tensor:
 
 # For amax = 1.m x 2^e, amax / top in fp32 (divided, or multiplied by fl(1 / top): the same) is at most
 # 2^(e - shift) while the mantissa bits m <= threshold, and above it past that: its smallest power of two >=
-# is 2^(e - shift), or twice that (tests/test_quant.py checks every mantissa against ceil_pow2).
+# is 2^(e - shift), or twice that (tests/test_numerics.py checks every mantissa against ceil_pow2).
 _POW2_OVER = {FP8_MAX: (0x600000, 8), FP4_MAX: (0x400000, 2)}     # top -> (threshold, shift)
 
 
@@ -73,6 +73,22 @@ def pow2_scale(amax: torch.Tensor, floor: float, top: float) -> torch.Tensor:
     threshold, shift = _POW2_OVER[top]
     bits = amax.clamp_min(floor).view(torch.int32)
     return ((bits + (0x7FFFFF - threshold - (shift << 23))) & 0x7F800000).view(torch.float32)
+
+
+def block_amax(g: torch.Tensor) -> torch.Tensor:
+    """max |g| over the last dim in fp32 (exact): [..., b] -> [..., 1]."""
+    if g.is_cuda:        # one launch
+        return torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    return g.abs().amax(-1, keepdim=True).float()    # torch's CPU max-norm over 32 values is ~2x slower
+
+
+def fp8_block_codes(g: torch.Tensor):
+    """act_quant's rounding of blocks g [..., b]: (E4M3 codes of g / s [..., b], s [..., 1] fp32), s the
+    smallest power of two >= max(amax, 1e-4) / 448. No clamp before the cast: |g / s| <= 448 but for the
+    rounding of amax / 448, and torch's E4M3 cast gives 448 there as the clamp would. The quotient is formed
+    in fp32 and rounded to E4M3 as it is stored (one kernel on a GPU; a temporary and a copy on the CPU)."""
+    s = pow2_scale(block_amax(g), 1e-4, FP8_MAX)
+    return torch.div(g, s, out=torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=g.device)), s
 
 
 def ue8m0_to_float(s: torch.Tensor) -> torch.Tensor:

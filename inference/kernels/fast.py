@@ -38,7 +38,7 @@ from the arithmetic.
 import torch
 import torch.nn.functional as F
 
-from ..quant import FP4_MAX, FP8_MAX, CodeTables, e2m1_round, pow2_scale
+from ..quant import FP4_MAX, CodeTables, block_amax, e2m1_round, fp8_block_codes, pow2_scale
 from .reference import CHUNK, Exact
 
 BLOCK = 32
@@ -81,23 +81,11 @@ def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, kind: str, dtype: 
     return (values.unflatten(-1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(-2)
 
 
-def _block_amax(g: torch.Tensor) -> torch.Tensor:
-    """max |g| over the last dim in fp32 (exact): [..., b] -> [..., 1]."""
-    if g.is_cuda:        # one launch
-        return torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    return g.abs().amax(-1, keepdim=True).float()    # torch's CPU max-norm over 32 values is ~2x slower
-
-
 def quant_act(x: torch.Tensor, dtype: torch.dtype, block: int = BLOCK) -> torch.Tensor:
     """act_quant(x) dequantised: e4m3(x / s) * s per `block`, exact in bf16 and fp32. [..., K] -> [..., K].
-    The same values as reference.act_quant's in fewer operations (7 on a GPU): the block maxima by one
-    reduction, s from their bits (pow2_scale), no clamp before the cast (|x / s| <= 448 but for the rounding
-    of amax / 448, and torch's E4M3 cast gives 448 there as the clamp would), the cast in the division's
-    store."""
-    g = x.unflatten(-1, (-1, block))                                                 # [..., K/b, b]
-    s = pow2_scale(_block_amax(g), 1e-4, FP8_MAX)                                    # [..., K/b, 1]
-    # quotient in fp32, rounded to E4M3 as it is stored (on the CPU torch stores through an fp32 temporary)
-    q = torch.div(g, s, out=torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=g.device))
+    The same values as reference.act_quant's in fewer operations (7 on a GPU: quant.fp8_block_codes, then
+    the codes times their scales)."""
+    q, s = fp8_block_codes(x.unflatten(-1, (-1, block)))                             # [..., K/b, b], [.., 1]
     return q.to(dtype).mul_(s).flatten(-2)           # e4m3 x 2^k is exact in bf16: no rounding to move
 
 
@@ -280,11 +268,10 @@ def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts:
     elif a is None:
         a = quant_act(x, dtype)
 
-    def weights_of(name, rows=None):     # dequantised [A, out, in] of the stacked experts `rows` (all)
-        w, s = stacked[name]
+    def dequantized(w, s, rows=None):    # stacked (w, s) [..., E, out, in] -> rows `rows` (all), dequantised
         if rows is not None:
-            w = w.view(torch.uint8)[rows].view(w.dtype)
-            s = None if s is None else s.view(torch.uint8)[rows].view(s.dtype)
+            w = w.view(torch.uint8)[..., rows, :, :].view(w.dtype)
+            s = None if s is None else s.view(torch.uint8)[..., rows, :, :].view(s.dtype)
         return dequant_weight(w, s, kind, dtype, tables)
 
     halves = _gate_up_halves(stacked)     # w1 and w3 side by side: gathered and dequantised together
@@ -292,22 +279,19 @@ def fixed_shape_experts(stacked, kind: str, start: int, n_local: int, n_experts:
         sel = local.flatten()                                                        # [N k]
         if halves is None:
             xs = a.repeat_interleave(k, dim=0).unsqueeze(1)                          # [N k, 1, D]
-            gate, up = _bmm(xs, weights_of("w1", sel)), _bmm(xs, weights_of("w3", sel))   # [N k, 1, I]
+            gate, up = (_bmm(xs, dequantized(*stacked[p], sel)) for p in ("w1", "w3"))   # [N k, 1, I]
         else:            # one gather, one dequantisation, one batched GEMM for both
-            w, s = halves                                                            # [2, E, ...]
-            w = w.view(torch.uint8)[:, sel].view(w.dtype)
-            s = None if s is None else s.view(torch.uint8)[:, sel].view(s.dtype)
-            w13 = dequant_weight(w, s, kind, dtype, tables).flatten(0, 1)            # [2 N k, I, D]
+            w13 = dequantized(*halves, sel).flatten(0, 1)                            # [2 N k, I, D]
             xs = a[None, :, None].expand(2, n, k, a.shape[-1]).reshape(2 * n * k, 1, -1)   # [2 N k, 1, D]
             gate, up = _bmm(xs, w13).chunk(2)                                        # [N k, 1, I] each
         h = swiglu(gate, up, weights.reshape(-1, 1, 1)).to(x.dtype)
         h = quant_act(h, dtype) if quantize else h.to(dtype)
-        out = _bmm(h, weights_of("w2", sel)).view(n, k, -1)                          # [N, k, D]
+        out = _bmm(h, dequantized(*stacked["w2"], sel)).view(n, k, -1)              # [N, k, D]
     else:
-        w1, w3 = (weights_of("w1"), weights_of("w3")) if halves is None else \
-            dequant_weight(*halves, kind, dtype, tables).unbind(0)                  # [E, I, D] each
+        w1, w3 = ((dequantized(*stacked[p]) for p in ("w1", "w3")) if halves is None
+                  else dequantized(*halves).unbind(0))                               # [E, I, D] each
         out = moe_decode(a, local if own is None else torch.where(own, local, -1), weights, w1, w3,
-                         weights_of("w2"), quantize, swiglu, x.dtype)
+                         dequantized(*stacked["w2"]), quantize, swiglu, x.dtype)
     return out if own is None else torch.where(own.unsqueeze(-1), out, 0)
 
 
@@ -383,7 +367,7 @@ class Fast(Exact):
         their bits (pow2_scale), no clamp (|x / s| <= 6 but for the rounding of amax / 6, which e2m1_round
         takes to 6 as the clamp would)."""
         g = x.unflatten(-1, (-1, block))                                             # [..., K/b, b]
-        s = pow2_scale(_block_amax(g), 6 * 2.0 ** -126, FP4_MAX)                     # [..., K/b, 1]
+        s = pow2_scale(block_amax(g), 6 * 2.0 ** -126, FP4_MAX)                      # [..., K/b, 1]
         return x.copy_((e2m1_round(g / s) * s).flatten(-2))
 
     def linears(self, helds, x, a=None):

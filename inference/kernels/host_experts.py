@@ -106,7 +106,6 @@ def _resolved_for(name: str, capability: str, cc: Optional[str], cache_dir: str)
     return (v, lib) if lib is not None else ("torch", None)
 
 
-
 @functools.lru_cache(maxsize=None)
 def _library(variant: str, cc: Optional[str], cache_dir: str):
     """The loaded kernel of `variant` (built once per compiler and cache directory), or None after one line on
