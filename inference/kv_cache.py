@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .quant import FP4_MAX, FP8_MAX, CodeTables, block_amax, fp8_block_codes, pow2_scale
+from .quant import FP4_MAX, FP8_MAX, CodeTables, fp8_block_codes, pow2_scale
 
 E4M3_MIN_SCALE = 2.0 ** -9     # the smallest E4M3 scale the compressed-KV rounding uses (an all-zero group)
 DECODE_CHUNK = 1 << 22         # values decoded at a time on a read
@@ -105,7 +105,7 @@ def encode(fmt: str, x: torch.Tensor, tables: Optional[CodeTables] = None):
     f = FORMATS[fmt]
     tables = tables or CodeTables(x.device)
     g = x.unflatten(-1, (x.shape[-1] // f.block, f.block))                            # [..., G, block]
-    amax = block_amax(g).squeeze(-1)                                                 # [..., G], exact
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, dtype=torch.float32)     # [..., G], exact
     if f.scale == "ue8m0":
         top, floor = (FP8_MAX, 1e-4) if f.codes == "e4m3" else (FP4_MAX, 6 * 2.0 ** -126)  # amax / top normal
         scale = pow2_scale(amax, floor, top)                                          # [..., G]
@@ -131,7 +131,10 @@ def round_to_codes(fmt: str, x: torch.Tensor):
     if fmt != "fp8":
         raise ValueError(f"round_to_codes makes the fp8 format's codes, not {fmt}'s")
     f = FORMATS[fmt]
-    q, scale = fp8_block_codes(x.unflatten(-1, (x.shape[-1] // f.block, f.block)))  # [..., G, block], [.., 1]
+    g = x.unflatten(-1, (x.shape[-1] // f.block, f.block))                            # [..., G, block]
+    # the maxima by one max-norm on every device (a decode row is small: its operations cost more than speed)
+    amax = torch.linalg.vector_norm(g, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)   # [.., G, 1]
+    q, scale = fp8_block_codes(g, amax)                                              # [.., G, block], [.., 1]
     return q.view(torch.uint8).flatten(-2), _scale_bytes(f, scale.squeeze(-1))
 
 

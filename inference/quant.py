@@ -82,12 +82,13 @@ def block_amax(g: torch.Tensor) -> torch.Tensor:
     return g.abs().amax(-1, keepdim=True).float()    # torch's CPU max-norm over 32 values is ~2x slower
 
 
-def fp8_block_codes(g: torch.Tensor):
-    """act_quant's rounding of blocks g [..., b]: (E4M3 codes of g / s [..., b], s [..., 1] fp32), s the
-    smallest power of two >= max(amax, 1e-4) / 448. No clamp before the cast: |g / s| <= 448 but for the
-    rounding of amax / 448, and torch's E4M3 cast gives 448 there as the clamp would. The quotient is formed
-    in fp32 and rounded to E4M3 as it is stored (one kernel on a GPU; a temporary and a copy on the CPU)."""
-    s = pow2_scale(block_amax(g), 1e-4, FP8_MAX)
+def fp8_block_codes(g: torch.Tensor, amax: torch.Tensor):
+    """act_quant's rounding of blocks g [..., b] with their maxima amax [..., 1] fp32 (block_amax, or one
+    max-norm): (E4M3 codes of g / s [..., b], s [..., 1] fp32), s the smallest power of two >= max(amax,
+    1e-4) / 448. No clamp before the cast: |g / s| <= 448 but for the rounding of amax / 448, and torch's E4M3
+    cast gives 448 there as the clamp would. The quotient is formed in fp32 and rounded to E4M3 as it is
+    stored (one kernel on a GPU; a temporary and a copy on the CPU)."""
+    s = pow2_scale(amax, 1e-4, FP8_MAX)
     return torch.div(g, s, out=torch.empty(g.shape, dtype=torch.float8_e4m3fn, device=g.device)), s
 
 
