@@ -27,8 +27,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: Optional[torch.Tensor] = None):
         """x [N, D] bf16 -> (weights [N, k] fp32, expert indices [N, k])."""
         nx = self.nx
-        w = self.derived.get(self.weight, "float32", self.weight.float)    # cast once, kept: [E, D] fp32
-        logits = nx.dense(x.float(), w, self.derived)                                # [N, E] fp32
+        logits = nx.router_logits(x, self.weight, self.derived)                     # [N, E] fp32
         if self.gate_temp != 1.0:                                   # (x / 1 is x: no division then)
             logits = logits / self.gate_temp
         if self.score_func == "sqrtsoftplus":

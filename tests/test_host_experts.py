@@ -206,7 +206,7 @@ def test_two_projections_in_one_call_and_threads(variant):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
-@pytest.mark.parametrize("order", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("order", [0, 1, 2, 3, 4, 5])
 def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
     """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks
     (E4M3 subnormals, ties: bf16 inputs have 8 significant bits), a zero row (the 1e-4 floor), -0."""
@@ -349,3 +349,149 @@ def test_bench_experts_runs_small(capsys):
         bench_experts.main(["--steps", "3", "--rounds", "4"])
     with pytest.raises(SystemExit, match="--bandwidth-gib must be a positive size, got 0"):
         bench_experts.main(["--bandwidth-gib", "0"])
+
+
+# ---- bf16 weights, the team of threads, the fused Linears, the Sinkhorn passes: --cpu-linears stored ----
+
+@pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_weights_match_spec_within_the_summation_bound(variant, m, x_dtype):
+    """bf16_linear (the head, wo_a, the router from their stored 2 bytes a weight) against the GEMM on the
+    widened weight: the same products, fp32 sums in another order; one FMA rounds each addition (with its
+    product exact inside, or rounded once more by a GEMM without FMA): within (2 (K - 1) + 1) u sum|p|.
+    Grouped (wo_a): each group its own weight; 1 .. 9 tokens (tiles of 4 and the rest)."""
+    gen = torch.Generator().manual_seed(m + 10 * (x_dtype == torch.float32))
+    k, n = 160, 37
+    x = (torch.randn(m, k, generator=gen) * 3).to(x_dtype)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    got, spec = he.bf16_linear(x, [w], variant), he.bf16_linear_torch(x, [w])
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    abs_p = x.double().abs() @ w.double().abs().t()
+    assert ((got.double() - spec.double()).abs() <= (2 * (k - 1) + 1) * U * 1.01 * abs_p).all()
+    xg = (torch.randn(m, 3, k, generator=gen) * 3).to(x_dtype)                 # [M, G, K]
+    ws = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(3)]
+    got, spec = he.bf16_linear(xg, ws, variant), he.bf16_linear_torch(xg, ws)
+    abs_p = torch.stack([xg[:, g].double().abs() @ w.double().abs().t() for g, w in enumerate(ws)], 1)
+    assert got.shape == (m, 3, n)
+    assert ((got.double() - spec.double()).abs() <= (2 * k - 1) * U * 1.01 * abs_p).all()
+    with pytest.raises(ValueError, match="bf16_linear takes x"):
+        he.bf16_linear(x, [w.float()], variant)
+
+
+@pytest.mark.parametrize("variant", NATIVE)
+def test_the_team_of_threads_gives_each_call_its_numbers(variant):
+    """The kernel's threads are started once and woken per call (host_experts.c team_*): calls with 1 to 4
+    threads and sizes of 1 to 40 chunks, from two Python threads at once (one runs alone while the other
+    holds the team), and from a forked child after the parent used them, each give the numbers of a call with
+    one thread (the same sums: every row is one thread's)."""
+    import concurrent.futures
+    import multiprocessing as mp
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(40 * 256, 64, generator=gen).bfloat16()
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    alone = he.bf16_linear(x, [w], variant)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3, 4, 2, 1):
+            torch.set_num_threads(t)
+            for rows in (1, 256, 257, 40 * 256):
+                assert torch.equal(he.bf16_linear(x, [w[:rows]], variant), alone[:, :rows])
+        torch.set_num_threads(2)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda _: he.bf16_linear(x, [w], variant), range(16)))
+        assert all(torch.equal(o, alone) for o in outs)
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as child:
+            got = child.apply_async(_child_call, (x, w, variant)).get(timeout=60)
+        assert got == alone.tolist()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _child_call(x, w, variant):
+    """(In a forked child: no torch operation that starts OpenMP threads, which hang after a fork.)"""
+    torch.set_num_threads(2)
+    return he.bf16_linear(x, [w], variant).tolist()
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8"])
+def test_linears_that_read_one_x_share_a_kernel_call(kind):
+    """StoredLinears.linears (wq_a with wkv, an expert's w1 with w3): one kernel call, the numbers of each
+    Linear alone bit for bit (each output row's sum is the same whatever else the call computes)."""
+    from inference.config import RuntimeOptions
+    from inference.kernels import numerics_for
+    from inference.kernels.numerics import Derived, Held
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(1, 2, 160, generator=gen) * 3).bfloat16()
+    helds = []
+    for n in (70, 37):
+        w, s = stored(kind, 1, n, 160, gen)
+        wt = w[0].view(torch.float8_e4m3fn) if kind == "fp8" else w[0].view(torch.float4_e2m1fn_x2)
+        helds.append(Held(wt, s[0].view(torch.float8_e8m0fnu), kind, Derived()))
+    for order in ("fast", "reference"):
+        nx = numerics_for(RuntimeOptions.from_profile(order, experts_on="host", cpu_linears="stored"), "cpu")
+        together = nx.linears(helds, x)
+        assert len(together) == 2 and all(torch.equal(t, nx.linear(h, x)) for t, h in zip(together, helds))
+
+
+def test_sinkhorn_passes_in_c_are_the_torch_loops_within_rounding():
+    """native.sinkhorn_passes against fast.sinkhorn_passes (its specification): the same divisions, each sum
+    in index order instead of torch's: within 4 fp32 ulps of 1, the rows' and columns' sum (measured: at most
+    2 over 48,000 random matrices; a small entry's relative difference reaches some 50 ulps of itself, its
+    row's rounding carried into it), over tokens of every scale of logits; every column sums to 1 after the
+    last pass."""
+    from inference.kernels import fast
+    lib = native.sinkhorn_library()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        mixes = torch.randn(n, 24, generator=gen) * float(2 ** torch.randint(-4, 5, (1,), generator=gen))
+        scale, base = torch.randn(3, generator=gen), torch.randn(24, generator=gen)
+        _, _, comb = fast.sinkhorn_gates(mixes, scale, base, 4, 1e-6)
+        want = fast.sinkhorn_passes(comb.clone(), 20, 1e-6)
+        got = native.sinkhorn_passes(lib, comb, 20, 1e-6)
+        assert (got - want).abs().max() <= 4 * 2.0 ** -23
+        assert (got.sum(-2) - 1).abs().max() < 1e-5                # the last pass normalises the columns
+
+
+def test_fast_stored_linears_use_the_bf16_and_sinkhorn_kernels_within_their_bounds():
+    """The fast order with --cpu-linears stored: its head / router / wo_a GEMMs on bf16 weights and its
+    Sinkhorn against the fast order's own (within the bounds above); the exact order with the same option
+    gives the exact order's bits (a bf16 weight widened per call is the fp32 copy's value)."""
+    from inference.config import RuntimeOptions
+    from inference.kernels import numerics_for
+    from inference.kernels.numerics import Derived
+    gen = torch.Generator().manual_seed(1)
+    fast_nx = numerics_for(RuntimeOptions.from_profile("fast"), "cpu")
+    stored = RuntimeOptions.from_profile("fast", experts_on="host", cpu_linears="stored")
+    stored_nx = numerics_for(stored, "cpu")
+    exact = numerics_for(RuntimeOptions.from_profile("reference"), "cpu")
+    exact_stored = numerics_for(RuntimeOptions.from_profile("reference", experts_on="host",
+                                                            cpu_linears="stored"), "cpu")
+    x = torch.randn(2, 3, 256, generator=gen).bfloat16()
+    w = torch.randn(50, 256, generator=gen).bfloat16()
+    want = fast_nx.dense(x.float(), w.float(), Derived())
+    got = stored_nx.dense(x.float(), w, Derived())
+    abs_p = x.float().double().abs() @ w.double().abs().t()
+    assert ((got.double() - want.double()).abs() <= 511 * U * 1.01 * abs_p).all()
+    assert torch.equal(exact_stored.dense(x.float(), w, Derived()),
+                       exact.dense(x.float(), w.float(), Derived()))
+    got = stored_nx.router_logits(x[0], w, Derived())
+    assert ((got.double() - want[0].double()).abs() <= 511 * U * 1.01 * abs_p[0]).all()
+    assert torch.equal(exact_stored.router_logits(x[0], w, Derived()),
+                       exact.router_logits(x[0], w, Derived()))
+    xg = torch.randn(1, 2, 4, 64, generator=gen).bfloat16()
+    wg = torch.randn(4 * 16, 64, generator=gen).bfloat16()
+    want = fast_nx.grouped_linear(xg, wg, 4, Derived())
+    got = stored_nx.grouped_linear(xg, wg, 4, Derived())
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    ulp = bf16_ulp(torch.maximum(got.double().abs(), want.double().abs()))
+    assert ((got.double() - want.double()).abs() <= ulp + 1e-6).all()
+    mixes = torch.randn(3, 24, generator=gen)
+    scale, base = torch.randn(3, generator=gen), torch.randn(24, generator=gen)
+    a, b = stored_nx.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6), \
+        fast_nx.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert (a[2] - b[2]).abs().max() <= 4 * 2.0 ** -23

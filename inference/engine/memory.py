@@ -211,11 +211,11 @@ class RankPlan:
 def build_meta_model(args: ModelArgs, world_size: int, rank: int, opts: Optional[RuntimeOptions] = None,
                      language_model_only: bool = False, build_dspark: bool = True) -> Transformer:
     """The model of one rank with every tensor on the meta device (no memory, exact shapes and dtypes). The
-    kernel backend changes no shape: the torch one builds on any device. Nor do the placements: built on the
-    device, the Engram tables and the routed experts stay on the meta device too (a host placement would
-    reserve their host memory), and the plan places them by category."""
-    opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device", experts_on="device",
-                   cpu_linears="fp32")
+    kernel backend changes no shape: the torch one builds on any device. Nor do the placements: the Engram
+    tables are built on the device (a host placement would reserve their host memory), the routed experts of
+    --experts-on host stay on the meta device too, and the plan places them by category. --cpu-linears stored
+    keeps the head in bf16 as stored (layers.ParallelHead): the build keeps that option."""
+    opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device")
     return Transformer(args, ParallelContext(world_size, rank), opts, "meta", build_dspark=build_dspark,
                        language_model_only=language_model_only)
 

@@ -314,14 +314,27 @@ def _gate_up_halves(stacked):
 
 
 def sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
-    """reference.hc_split_sinkhorn's computation in two operations per normalisation: comb lives in an
-    [hc + 1, hc + 1] frame whose last column and row hold eps, so that a row (column) sum over the frame is
-    the sum plus eps, and the [hc, hc] block is divided in place. -> pre [..., hc], post [..., hc], comb
-    [..., hc, hc] (a view of the frame)."""
+    """reference.hc_split_sinkhorn's computation: the gates and the row softmax (sinkhorn_gates), then the
+    passes (sinkhorn_passes). -> pre [..., hc], post [..., hc], comb [..., hc, hc]."""
+    pre, post, comb = sinkhorn_gates(mixes, scale, base, hc, eps)
+    return pre, post, sinkhorn_passes(comb, iters, eps)
+
+
+def sinkhorn_gates(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, eps: float):
+    """-> pre [..., hc] (sigmoid + eps), post [..., hc] (2 sigmoid), and comb's logits softmaxed by row
+    [..., hc, hc], before the Sinkhorn passes."""
     pair = mixes[..., :2 * hc].unflatten(-1, (2, hc))                 # [..., 2, hc]: pre's and post's logits
     gates = torch.sigmoid(torch.addcmul(base[:2 * hc].view(2, hc), pair, scale[:2].view(2, 1))).flatten(-2)
     pre, post = gates[..., :hc] + eps, 2 * gates[..., hc:]
     comb = torch.addcmul(base[2 * hc:], mixes[..., 2 * hc:], scale[2]).unflatten(-1, (hc, hc)).softmax(-1)
+    return pre, post, comb
+
+
+def sinkhorn_passes(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row-softmaxed comb [..., hc, hc] -> doubly stochastic, in two operations per normalisation: comb lives
+    in an [hc + 1, hc + 1] frame whose last column and row hold eps, so that a row (column) sum over the frame
+    is the sum plus eps, and the [hc, hc] block is divided in place (a view of the frame)."""
+    hc = comb.shape[-1]
     frame = F.pad(comb, (0, 1, 0, 1), value=eps)                    # [..., hc + 1, hc + 1]
     block = frame[..., :hc, :hc]
     block.add_(eps)                                                 # row softmax + eps
@@ -329,7 +342,7 @@ def sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     for _ in range(iters - 1):
         block.div_(frame[..., :hc, :].sum(-1, keepdim=True))
         block.div_(frame[..., :, :hc].sum(-2, keepdim=True))
-    return pre, post, block
+    return block
 
 
 # ---- the fast order behind the numerics interface ----

@@ -18,7 +18,9 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define BLK 32   /* elements per scale block along K */
 #define CHUNK 256 /* weight rows per work item: whole FP8 scale rows (32), and long for the prefetch */
@@ -30,6 +32,7 @@
 #define ROWS 4 /* rows x tokens held in registers per tile: 16 accumulators */
 #define TOKS 4
 #define FP4_TOKS TOKS
+#define FP8_TOKS TOKS
 #define FP4_ORDER 2 /* the activation order of its MXFP4 tiles (he_act_quant) */
 typedef __m512 vec;
 #define vzero() _mm512_setzero_ps()
@@ -43,6 +46,7 @@ typedef __m512 vec;
 #define ROWS 2 /* 16 ymm registers: 4 accumulators, 8 weight vectors */
 #define TOKS 2
 #define FP4_TOKS 4 /* tile_fp4: 8 accumulators; a block's 4 decoded vectors feed 16 FMAs */
+#define FP8_TOKS 4 /* tile: 2 rows' 4 decoded vectors feed 4 tokens (a batch of 4 decodes each weight once) */
 #define FP4_ORDER 3 /* tile_fp4; one token may come in order 4 (tile_fp4_pairs) */
 #define PAIR_ROWS ROWS /* tile_fp4_pairs: 4 rows spill sums (Zen 3: 8 % slower) */
 typedef __m256 vec;
@@ -60,12 +64,22 @@ static inline float vsum(__m256 a) {
 #define ROWS 4
 #define TOKS 1
 #define FP4_TOKS TOKS
+#define FP8_TOKS TOKS
 #define FP4_ORDER 1
 typedef float vec;
 #define vzero() 0.0f
 #define vload(p) (*(p))
 #define vfma(a, b, c) ((a) * (b) + (c))
 #define vsum(a) (a)
+#endif
+
+
+#if defined(__AVX2__)
+static inline float vsum256(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
 #endif
 
 #define PARTS (BLK / WIDTH) /* vectors per 32-block */
@@ -140,7 +154,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k, int fp4, int64_t r0,
                                                        int64_t t0, const int R, const int T) {
     const int64_t kb_n = k / BLK;
-    vec acc[ROWS * 2][TOKS];
+    vec acc[ROWS * 2][FP8_TOKS > TOKS ? FP8_TOKS : TOKS];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) acc[r][t] = vzero();
     for (int64_t kb = 0; kb < kb_n; kb++) {
@@ -424,7 +438,127 @@ static inline __attribute__((always_inline)) void tile_fp4_pairs(const job_t *j,
     for (int r = 0; r < R; r++) j->y[r0 + r] = vsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+
+/* One token, FP8 (activations in order 5): R rows, two sums per row, no shuffle. Each 32-block is read by
+   four loads 3, 2, 1 and 0 bytes before it, so that the top byte of dword i of load q is the block's element
+   4i + q (order 5: element 4i + q at 8q + i); shifted right by 4 with the sign (vpsrad), that byte becomes
+   decode_fp8's bits (the sign at 31, the magnitude at 20..26) in two operations where the sign extension took
+   three. The first block of a job reads its bytes from a copy (the bytes before a tensor may be unmapped). */
+static inline __attribute__((always_inline)) void tile_fp8_one(const job_t *j, int64_t k, int64_t r0,
+                                                               const int R) {
+    const int64_t kb_n = k / BLK;
+    const float *x = j->x;
+    const __m256i keep = _mm256_set1_epi32((int)0x87F00000u);
+    uint8_t first[3 + BLK];
+    __m256 acc[2 * ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < kb_n; kb++) {
+        const uint8_t e = j->s[(r0 / BLK) * kb_n + kb]; /* the R rows share their scale row (rows()) */
+        const __m256 m1 = _mm256_set1_ps(e < 135 ? bits_float((uint32_t)(e + 120) << 23)
+                                                 : bits_float(247u << 23));
+        const __m256 m2 = _mm256_set1_ps(e < 135 ? 1.0f : ue8m0(e));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = j->w + (r0 + r) * k + kb * BLK;
+            _mm_prefetch((const char *)(p + 2 * R * k), _MM_HINT_T0);
+            if (r0 + r == 0 && kb == 0) {
+                memset(first, 0, 3);
+                memcpy(first + 3, p, BLK);
+                p = first + 3;
+            }
+            for (int q = 0; q < 4; q++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + q - 3));
+                __m256 w = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), keep));
+                w = _mm256_mul_ps(w, m1);
+                if (e >= 135) w = _mm256_mul_ps(w, m2);
+                acc[r][q % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + kb * BLK + 8 * q), acc[r][q % 2]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) j->y[r0 + r] = vsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
 #endif
+
+
+/* ---- bf16 weights: y = x W^T with fp32 sums (--cpu-linears stored: the head, wo_a, bf16 Linears) ----
+   A bf16 weight w is the fp32 w << 16, every product with an fp32 activation one FMA, as in a GEMM on the
+   widened copy. Rows of k bf16 (2 bytes each, k a multiple of 32); the activations in order 1 (each 32 as its
+   16 even then 16 odd elements: he_widen). With AVX2 (the AVX-512 build too: a stream of 2 bytes a weight is
+   bound by memory, not by the vector width) a 32-byte load holds 16 weights: its words moved up are the even
+   elements, its words masked in place the odd ones, no shuffle. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define BF_ROWS 4 /* one token: 4 rows x 2 sums; several: 2 rows x 4 tokens */
+#define BF_TOKS 4
+static inline __attribute__((always_inline)) void tile_bf16(const job_t *j, int64_t k, int64_t r0,
+                                                            int64_t t0, const int R, const int T) {
+    const uint16_t *w = (const uint16_t *)j->w + r0 * k;
+    const float *x = j->x + t0 * k;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const int S = T == 1 ? 2 : 1; /* sums per row and token */
+    __m256 acc[BF_ROWS][BF_TOKS][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < k; kb += BLK) {
+        for (int r = 0; r < R; r++) {
+            const uint16_t *p = w + r * k + kb;
+            _mm_prefetch((const char *)(p + 2 * R * k), _MM_HINT_T0); /* the tile after next, in step */
+            const __m256i a = _mm256_loadu_si256((const __m256i *)p);
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 16));
+            const __m256 wv[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)),
+                                  _mm256_castsi256_ps(_mm256_and_si256(a, high)),
+                                  _mm256_castsi256_ps(_mm256_and_si256(b, high))};
+            for (int t = 0; t < T; t++)
+                for (int q = 0; q < 4; q++)
+                    acc[r][t][q % S] = _mm256_fmadd_ps(wv[q], _mm256_loadu_ps(x + t * k + kb + 8 * q),
+                                                       acc[r][t][q % S]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++)
+            j->y[(t0 + t) * j->ldy + r0 + r] = vsum256(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
+}
+#else
+#define BF_ROWS 4
+#define BF_TOKS 1
+static inline void tile_bf16(const job_t *j, int64_t k, int64_t r0, int64_t t0, const int R, const int T) {
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            const uint16_t *w = (const uint16_t *)j->w + (r0 + r) * k;
+            const float *x = j->x + (t0 + t) * k;
+            float acc = 0.0f;
+            for (int64_t kb = 0; kb < k; kb += BLK)
+                for (int e = 0; e < BLK; e++) /* element kb + e sits at kb + (e % 2) * 16 + e / 2 */
+                    acc += bits_float((uint32_t)w[kb + e] << 16) * x[kb + (e % 2) * 16 + e / 2];
+            j->y[(t0 + t) * j->ldy + r0 + r] = acc;
+        }
+}
+#endif
+
+/* rows [r0, r1) of a bf16 job: a token at a time 4 rows at once, else tiles of 2 rows x 4 tokens */
+static void rows_bf16(const job_t *j, int64_t k, int64_t r0, int64_t r1) {
+    int64_t t = 0;
+    if (BF_TOKS > 1)
+        for (; t + BF_TOKS <= j->m; t += BF_TOKS) {
+            int64_t r = r0;
+            for (; r + 2 <= r1; r += 2) tile_bf16(j, k, r, t, 2, BF_TOKS);
+            for (; r < r1; r++) tile_bf16(j, k, r, t, 1, BF_TOKS);
+        }
+    for (; t < j->m; t++) {
+        int64_t r = r0;
+        for (; r + BF_ROWS <= r1; r += BF_ROWS) tile_bf16(j, k, r, t, BF_ROWS, 1);
+        for (; r < r1; r++) tile_bf16(j, k, r, t, 1, 1);
+    }
+}
+
+/* x [m, k] bf16 bits (src_bf16) or fp32 -> out [m, k] fp32 in order 1, exact (the bf16 tiles' activations) */
+void he_widen(const void *x, int64_t m, int64_t k, float *out, int src_bf16) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t c = 0; c < k; c++) {
+            const float v = src_bf16 ? bits_float((uint32_t)((const uint16_t *)x)[i * k + c] << 16)
+                                     : ((const float *)x)[i * k + c];
+            out[i * k + c / BLK * BLK + (c % 2) * 16 + c % BLK / 2] = v;
+        }
+}
 
 #if WIDTH > 1
 #define TILE(j, k, fp4, r, t, R, T) ((fp4) ? tile_fp4(j, k, r, t, R, T) : tile(j, k, 0, r, t, R, T))
@@ -451,9 +585,15 @@ static void rows(const job_t *j, int64_t k, int fp4, int paired, int64_t r0, int
     if (j->m == 1) {
         int64_t r = r0;
 #if WIDTH == 8
-        if (paired) { /* he_run admits order 4 only for MXFP4 jobs of one row */
+        if (paired && fp4) { /* he_run admits order 4 only for MXFP4 jobs of one row */
             for (; r + PAIR_ROWS <= r1; r += PAIR_ROWS) tile_fp4_pairs(j, k, r, PAIR_ROWS);
             for (; r < r1; r++) tile_fp4_pairs(j, k, r, 1);
+            return;
+        }
+        if (paired) { /* FP8 in order 5 (jobs of one row): tiles of rows under one scale row */
+            for (; r + 2 * ROWS <= r1 && r % BLK + 2 * ROWS <= BLK; r += 2 * ROWS)
+                tile_fp8_one(j, k, r, 2 * ROWS);
+            for (; r < r1; r++) tile_fp8_one(j, k, r, 1);
             return;
         }
 #endif
@@ -464,6 +604,8 @@ static void rows(const job_t *j, int64_t k, int fp4, int paired, int64_t r0, int
     int64_t t = 0;
     if (fp4 && FP4_TOKS > TOKS) /* the rest goes by TOKS and by 1 */
         t = token_tiles(j, k, 1, r0, r1, t, FP4_TOKS);
+    if (!fp4 && FP8_TOKS > TOKS)
+        t = token_tiles(j, k, 0, r0, r1, t, FP8_TOKS);
     t = token_tiles(j, k, fp4, r0, r1, t, TOKS);
     token_tiles(j, k, fp4, r0, r1, t, 1);
 }
@@ -474,7 +616,7 @@ typedef struct {
     const job_t *jobs;
     const int64_t *first; /* [n_jobs + 1]: index of each job's first chunk */
     int64_t n_jobs, k, next;
-    int fp4, paired;
+    int fmt, paired; /* 4 (MXFP4), 8 (FP8) or 16 (bf16) */
 } work_t;
 
 static void *worker(void *arg) {
@@ -486,8 +628,101 @@ static void *worker(void *arg) {
         while (wk->first[j + 1] <= c) j++; /* a thread's chunks come in increasing order */
         const job_t *jb = &wk->jobs[j];
         int64_t r0 = (c - wk->first[j]) * CHUNK, r1 = r0 + CHUNK < jb->n ? r0 + CHUNK : jb->n;
-        rows(jb, wk->k, wk->fp4, wk->paired, r0, r1);
+        if (wk->fmt == 16)
+            rows_bf16(jb, wk->k, r0, r1);
+        else
+            rows(jb, wk->k, wk->fmt == 4, wk->paired, r0, r1);
     }
+}
+
+
+/* ---- a persistent team: the calling thread and up to MAX_THREADS - 1 helpers, started once ----
+   A call publishes its work, bumps the generation and wakes the helpers that sleep; it takes chunks like
+   them and waits for them to finish. Between calls a helper watches the generation for SPIN_NS (the next
+   Linear of a decode step is usually that close: no system call to wake it), then sleeps on a condition
+   variable. Starting the threads per call cost 40 us a call with 2 threads (a decode step makes hundreds). A
+   forked child starts with no helpers (pthread_atfork). */
+#define MAX_THREADS 64
+static int64_t spin_ns = 50000; /* $DSV4_HOST_SPIN_US overrides (read once) */
+
+typedef struct {
+    pthread_mutex_t busy;            /* held by the call that uses the team */
+    pthread_mutex_t m;               /* guards sleepers, with cv */
+    pthread_cond_t cv;
+    int started, sleepers, active, pending;
+    uint64_t gen, born[MAX_THREADS]; /* born: the generation when each helper was started */
+    work_t *wk;
+} team_t;
+
+static team_t team = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void pause_once(void) {
+#if WIDTH > 1
+    _mm_pause();
+#endif
+}
+
+static int64_t ns_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *team_helper(void *arg) {
+    const int idx = (int)(intptr_t)arg;
+    uint64_t seen = team.born[idx]; /* (a call may have begun before this thread ran) */
+    for (;;) {
+        uint64_t g;
+        int64_t since = ns_now();
+        for (int spins = 1; (g = __atomic_load_n(&team.gen, __ATOMIC_ACQUIRE)) == seen; spins++) {
+            pause_once();
+            if (spins % 256 == 0 && ns_now() - since > spin_ns) {
+                pthread_mutex_lock(&team.m);
+                team.sleepers++;
+                while ((g = __atomic_load_n(&team.gen, __ATOMIC_ACQUIRE)) == seen)
+                    pthread_cond_wait(&team.cv, &team.m);
+                team.sleepers--;
+                pthread_mutex_unlock(&team.m);
+                break;
+            }
+        }
+        seen = g;
+        if (idx < __atomic_load_n(&team.active, __ATOMIC_RELAXED)) {
+            worker(team.wk);
+            __atomic_fetch_sub(&team.pending, 1, __ATOMIC_RELEASE);
+        }
+    }
+    return NULL;
+}
+
+static void team_after_fork(void) { /* the child has no helpers: forget them, start anew on use */
+    pthread_mutex_init(&team.busy, NULL);
+    pthread_mutex_init(&team.m, NULL);
+    pthread_cond_init(&team.cv, NULL);
+    team.started = team.sleepers = team.active = team.pending = 0;
+}
+
+static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+static void team_init(void) {
+    const char *us = getenv("DSV4_HOST_SPIN_US");
+    if (us) spin_ns = 1000 * (int64_t)atoll(us);
+    pthread_atfork(NULL, NULL, team_after_fork);
+}
+
+/* at least `want` helpers started (fewer where the system refuses more) -> how many there are */
+static int team_grow(int want) {
+    pthread_once(&team_once, team_init);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (team.started < want) {
+        pthread_t t;
+        team.born[team.started] = team.gen;
+        if (pthread_create(&t, &attr, team_helper, (void *)(intptr_t)team.started) != 0) break;
+        team.started++;
+    }
+    pthread_attr_destroy(&attr);
+    return team.started < want ? team.started : want;
 }
 
 /* ---- activations: reference.act_quant, dequantised, in the kernel's order ---- */
@@ -571,7 +806,8 @@ static void act_block_avx2(const uint16_t *x, float *o, int p_step, int l_off, f
    1 each 32 as its even then odd elements, 2 each 128 as [8, 16] (kx: k rounded up to 128, zeros after),
    3 each 32 as [4, 2, 4] (element 16h + 4d + 2i + p at 16h + 8i + 4p + d: AVX2's e2m1_block), 4 each 64
    (two 32-blocks, l = 0, 1) as [2, 2, 2, 2, 4] (element 16h + 4d + 2i + p of block l at 32p + 16h + 8i +
-   4l + d: AVX2's pair_codes), a last 32-block of an odd count as in order 3. */
+   4l + d: AVX2's pair_codes), a last 32-block of an odd count as in order 3, 5 each 32 as [4, 8] (element
+   4i + q at 8q + i: AVX2's tile_fp8_one). */
 void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t kx, int order) {
     const float c448 = 1.0f / 448.0f, floor_amax = 1e-4f;
     for (int64_t i = 0; i < m; i++) {
@@ -584,7 +820,7 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
             const int64_t base = paired ? b0 - l * BLK : b0;
             const int p_step = paired ? 32 : 4, l_off = paired ? 4 * l : 0;
 #if WIDTH == 8
-            if (order >= 3) {
+            if (order == 3 || order == 4) {
                 act_block_avx2(x + i * k + b0, o + base, p_step, l_off, c448, floor_amax);
                 continue;
             }
@@ -609,8 +845,10 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
                     pos = b0 + (e & 1) * 16 + e / 2;
                 else if (order == 2)
                     pos = (col / 128) * 128 + (col % 8) * 16 + (col % 128) / 8;
-                else if (order >= 3)
+                else if (order == 3 || order == 4)
                     pos = base + p_step * (e % 2) + 16 * (e / 16) + 8 * (e / 2 % 2) + l_off + e % 16 / 4;
+                else if (order == 5)
+                    pos = b0 + 8 * (e % 4) + e / 4;
                 o[pos] = e4m3_round(v) * sc;
             }
         }
@@ -620,13 +858,14 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
 const char *he_variant(void) { return VARIANT; }
 
 /* jobs: n_jobs x 7 int64 (w, s, x, y pointers, n, m, ldy). first: n_jobs + 1 int64 of scratch.
-   fmt: 4 (MXFP4) or 8 (FP8). order: the activations' (he_act_quant), FP8 0, MXFP4 this build's FP4_ORDER, or
-   on AVX2 4 where every job has one row (a decode step). Returns 0, or -1 for a bad argument. */
+   fmt: 4 (MXFP4), 8 (FP8) or 16 (bf16, no scales: s unused). order: the activations' (he_act_quant,
+   he_widen), FP8 0, MXFP4 this build's FP4_ORDER, or on AVX2 4 where every job has one row (a decode step),
+   bf16 1. Returns 0, or -1 for a bad argument. */
 int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int fmt, int order,
            int n_threads) {
-    if (k <= 0 || k % BLK || (fmt != 4 && fmt != 8) || n_jobs < 0) return -1;
-    const int paired = WIDTH == 8 && fmt == 4 && order == 4;
-    if (order != (fmt == 8 ? 0 : FP4_ORDER) && !paired) return -1;
+    if (k <= 0 || k % BLK || (fmt != 4 && fmt != 8 && fmt != 16) || n_jobs < 0) return -1;
+    const int paired = WIDTH == 8 && ((fmt == 4 && order == 4) || (fmt == 8 && order == 5));
+    if (order != (fmt == 8 ? 0 : fmt == 16 ? 1 : FP4_ORDER) && !paired) return -1;
     for (int64_t i = 0; paired && i < n_jobs; i++)
         if (jobs[7 * i + 5] > 1) return -1;
 #if WIDTH == 8
@@ -640,13 +879,23 @@ int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int f
                         (const float *)(intptr_t)d[2], (float *)(intptr_t)d[3], d[4], d[5], d[6]};
         first[i + 1] = first[i] + (js[i].m > 0 ? (js[i].n + CHUNK - 1) / CHUNK : 0);
     }
-    work_t wk = {js, first, n_jobs, k, 0, fmt == 4, paired};
-    if (n_threads > 64) n_threads = 64;
-    pthread_t th[64];
-    int started = 0;
-    for (int i = 1; i < n_threads && first[n_jobs] > i; i++) /* no more threads than chunks */
-        if (pthread_create(&th[started], NULL, worker, &wk) == 0) started++;
-    worker(&wk); /* a thread that could not start leaves its chunks to the others */
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    work_t wk = {js, first, n_jobs, k, 0, fmt, paired};
+    int helpers = (n_threads > MAX_THREADS ? MAX_THREADS : n_threads) - 1;
+    if (helpers > first[n_jobs] - 1) helpers = (int)(first[n_jobs] - 1); /* no more threads than chunks */
+    if (helpers <= 0 || pthread_mutex_trylock(&team.busy) != 0) { /* (a concurrent call runs alone) */
+        worker(&wk);
+        return 0;
+    }
+    helpers = team_grow(helpers);
+    team.wk = &wk;
+    __atomic_store_n(&team.active, helpers, __ATOMIC_RELAXED);
+    __atomic_store_n(&team.pending, helpers, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&team.gen, 1, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&team.m);
+    if (team.sleepers) pthread_cond_broadcast(&team.cv);
+    pthread_mutex_unlock(&team.m);
+    worker(&wk); /* a helper that is late finds the counter past the last chunk */
+    while (__atomic_load_n(&team.pending, __ATOMIC_ACQUIRE) > 0) pause_once();
+    pthread_mutex_unlock(&team.busy);
     return 0;
 }

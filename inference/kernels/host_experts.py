@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .fast import Fast, dequant_weight, quant_act
+from .fast import Fast, dequant_weight, quant_act, sinkhorn_gates
 from .numerics import Numerics
 from .reference import Exact
 
@@ -118,6 +118,9 @@ def _library(variant: str, cc: Optional[str], cache_dir: str):
         lib.he_act_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int]
         lib.he_act_quant.restype = None
+        lib.he_widen.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_int]
+        lib.he_widen.restype = None
     return native.load(lambda: build(variant, cc, cache_dir), declare,
                        f"host experts: no native {variant} kernel ({{reason}}); routed experts run the torch "
                        "path")
@@ -203,9 +206,10 @@ def _order(kind: str, variant: str, one_row: bool = False) -> int:
     [4, 2, 4] (fp4 on avx2: element 16 h + 4 d + 2 i + p at 8 (2 h + i) + 4 p + d, lane 4 p + d of vector
     2 h + i, p the nibble), 4 each 64 as [2, 2, 2, 2, 4] (fp4 on avx2 when every expert has one row, a decode
     step: two blocks l = 0, 1 in one load, element 16 h + 4 d + 2 i + p of block l at 8 (4 p + 2 h + i) +
-    4 l + d, lane 4 l + d of vector 4 p + 2 h + i; a last 32 of an odd count as in 3)."""
+    4 l + d, lane 4 l + d of vector 4 p + 2 h + i; a last 32 of an odd count as in 3), 5 each 32 as [4, 8]
+    (fp8 on avx2 when every job has one row: element 4 i + q at 8 q + i, lane i of vector q)."""
     if kind == "fp8":
-        return 0
+        return 5 if variant == "avx2" and one_row else 0
     return {"avx512": 2, "avx2": 4 if one_row else 3}.get(variant, 1)
 
 
@@ -225,6 +229,8 @@ def _reordered(a: torch.Tensor, order: int) -> torch.Tensor:
         a = a.view(m, -1, BLOCK // 2, 2).transpose(-1, -2)          # [M, K/32, 2, 16]
     elif order == 3:
         a = a.view(m, -1, 2, 4, 2, 2).permute(0, 1, 2, 4, 5, 3)     # [M, K/32, h, i, p, d]
+    elif order == 5:
+        a = a.view(m, -1, 8, 4).transpose(-1, -2)                   # [M, K/32, q, i]
     elif order == 4:
         pairs = a.shape[1] // 64 * 64
         head = a[:, :pairs].reshape(m, -1, 2, 2, 4, 2, 2)           # [M, K/64, l, h, d, i, p]
@@ -293,8 +299,25 @@ def expert_linears_fp32(x: torch.Tensor, counts: Sequence[int], experts: Sequenc
     if v == "torch":
         x = x if tokens is None else x[tokens]                      # [M, K]
         return [linear_torch(x, counts, experts, w, s, kind) for w, s in projections]
-    y = _native(lib, v, x, counts, experts, projections, kind, tokens)
+    if _order(kind, v, True) != _order(kind, v, False) and 1 in counts and max(counts) > 1:
+        y = _split_by_rows(lib, v, x, counts, experts, projections, kind, tokens)
+    else:
+        y = _native(lib, v, x, counts, experts, projections, kind, tokens)
     return [y] if len(projections) == 1 else list(y.split([w.shape[1] for w, _ in projections], dim=1))
+
+
+def _split_by_rows(lib, variant: str, x, counts, experts, projections, kind: str, tokens=None):
+    """_native's result in two calls where the experts of one row and those of several want activations in
+    different orders (AVX2 MXFP4: one row reads its blocks in pairs, order 4): a batch of a few tokens, most
+    experts chosen once, keeps the pairs for those."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    y = torch.empty(sum(counts), sum(w.shape[1] for w, _ in projections), dtype=torch.float32)
+    for group in ([i for i, c in enumerate(counts) if c == 1], [i for i, c in enumerate(counts) if c > 1]):
+        rows = torch.tensor([r for i in group for r in range(starts[i], starts[i] + counts[i])])
+        sub_x, sub_tokens = (x[rows], None) if tokens is None else (x, tokens[rows])
+        y[rows] = _native(lib, variant, sub_x, [counts[i] for i in group], [experts[i] for i in group],
+                          projections, kind, sub_tokens)
+    return y
 
 
 def expert_linears(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int],
@@ -332,6 +355,49 @@ def expert_swiglu(x: torch.Tensor, counts: Sequence[int], experts: Sequence[int]
     gate, up = expert_linears(x, counts, experts, [w1, w3], kind, variant, tokens)  # [M, I] bf16 each
     h = act(gate, up, route_weights.view(-1, 1)).to(x.dtype)                        # [M, I] bf16
     return expert_linear(h, counts, experts, w2[0], w2[1], kind, variant)           # [M, D] bf16
+
+
+# ---- bf16 weights (--cpu-linears stored: the head, wo_a, the bf16 Linears) ----
+
+def bf16_linear_torch(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The specification: x [M, K] (or [M, G, K] with one weight per group) times each bf16 weight [N, K]
+    widened to fp32 (exact), fp32 sums -> [M, N] fp32 (or [M, G, N])."""
+    if x.dim() == 2:
+        return F.linear(x.float(), weights[0].float())
+    return torch.stack([F.linear(x[:, g].float(), w.float()) for g, w in enumerate(weights)], dim=1)
+
+
+def bf16_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                variant: Optional[str] = None) -> torch.Tensor:
+    """x [M, K] bf16 or fp32 and one bf16 weight [N, K] -> x W^T [M, N] fp32; or x [M, G, K] and G weights
+    (groups: wo_a) -> [M, G, N]. Each product a widened bf16 weight times an fp32 activation, summed in fp32:
+    the numbers of a GEMM on the fp32 copy in another order, read at 2 bytes a weight."""
+    k = x.shape[-1]
+    if x.dim() not in (2, 3) or k % BLOCK or len(weights) != (1 if x.dim() == 2 else x.shape[1]) or any(
+            w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k for w in weights):
+        raise ValueError(f"host experts: bf16_linear takes x [M, K] or [M, G, K] (K a multiple of {BLOCK}) "
+                         f"and bf16 weights [N, K], got {list(x.shape)} and "
+                         f"{[list(w.shape) for w in weights]}")
+    v, lib = _resolved(variant)
+    if v == "torch" or x.dtype not in (torch.bfloat16, torch.float32):
+        return bf16_linear_torch(x, weights)
+    m, groups = x.shape[0], 1 if x.dim() == 2 else x.shape[1]
+    x = x.contiguous() if x.dim() == 2 else x.transpose(0, 1).contiguous()     # [M, K] or [G, M, K]
+    a = torch.empty(groups * m, k, dtype=torch.float32)                 # in order 1, a group's rows together
+    lib.he_widen(x.data_ptr(), groups * m, k, a.data_ptr(), int(x.dtype == torch.bfloat16))
+    n = weights[0].shape[0]
+    y = torch.empty(groups, m, n, dtype=torch.float32)                  # [G, M, N]
+    jobs = []
+    for g, w in enumerate(weights):
+        w = w.contiguous()
+        jobs += [w.data_ptr(), 0, a.data_ptr() + g * m * k * 4, y.data_ptr() + g * m * n * 4, w.shape[0], m,
+                 n]
+    table = (ctypes.c_int64 * len(jobs))(*jobs)
+    scratch = (ctypes.c_int64 * (len(jobs) // 7 + 1))()
+    if lib.he_run(ctypes.addressof(table), len(jobs) // 7, ctypes.addressof(scratch), k, 16, 1,
+                  torch.get_num_threads()):
+        raise RuntimeError(f"host experts: the kernel refused a bf16 weight of k {k}")
+    return y[0] if x.dim() == 2 else y.transpose(0, 1)                  # [M, N] or [M, G, N]
 
 
 class PinnedStage:
@@ -373,28 +439,83 @@ def stored_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ki
                   variant: Optional[str] = None) -> torch.Tensor:
     """An FP8/FP4 Linear computed from its stored bytes, as one expert of expert_linear: x [..., K] bf16,
     weight [N, K] E4M3 or [N, K/2] MXFP4 bytes with their scales as stored -> [..., N] bf16."""
+    return stored_linears(x, [(weight, scale)], kind, variant)[0]
+
+
+def stored_linears(x: torch.Tensor, weights: Sequence[Projection], kind: str,
+                   variant: Optional[str] = None) -> List[torch.Tensor]:
+    """Several FP8/FP4 Linears of one kind that read the same x, in one kernel call (x quantised once):
+    (weight [N_p, K], scale) each as stored -> [..., N_p] bf16 each."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)                                           # [M, K]
-    y = expert_linear(x2, [x2.shape[0]], [0], weight.unsqueeze(0), scale.unsqueeze(0), kind, variant)
-    return y.view(*lead, y.shape[-1])                               # [..., N]
+    ys = expert_linears(x2, [x2.shape[0]], [0], [(w.unsqueeze(0), s.unsqueeze(0)) for w, s in weights], kind,
+                        variant)
+    return [y.view(*lead, y.shape[-1]) for y in ys]                 # [..., N_p] each
 
 
 class StoredLinears:
     """An order's FP8/FP4 Linears computed by the host-expert kernel from their stored bytes (a CPU model with
     RuntimeOptions.cpu_linears = "stored", numerics_for): no fp32 copy is made, a decode step reads 1 byte a
     weight (FP8) instead of the copy's 4, and the products are the order's own, summed in the kernel's order.
+    The bf16-stored weights the model would hold in fp32 (the head) stay bf16 (layers.ParallelHead).
     Everything else is the order's (Exact or Fast, below)."""
 
     def quant_linear(self, held, x):
         return stored_linear(x, held.weight, held.scale, held.kind)
 
-    linears = Numerics.linears          # the kernel quantises its own activations, call by call
-    expert_activations = Numerics.expert_activations
+    def linears(self, helds, x, a=None):
+        """FP8/FP4 Linears of one kind that read the same x (wq_a and wkv, an expert's w1 and w3): one kernel
+        call, x quantised once (the same numbers as each alone: act_quant works per row)."""
+        if len(helds) > 1 and all(h.scale is not None and h.kind == helds[0].kind for h in helds):
+            return tuple(stored_linears(x, [(h.weight, h.scale) for h in helds], helds[0].kind))
+        return Numerics.linears(self, helds, x)
+
+    expert_activations = Numerics.expert_activations      # the kernel quantises its own activations
 
 
 class ExactStoredLinears(StoredLinears, Exact):
+    """The exact order's GEMMs on bf16 weights stay torch's on the widened weight (the same bits as an fp32
+    copy: the head widens per call)."""
     name = "exact"
 
 
+# Calls of at most this many rows with fp32 activations (the head, the router) run their bf16 weight through
+# the kernel, which reads each weight once per tile of 4 tokens; a longer one (all-position logits) is
+# torch's fp32 GEMM on the widened weight, faster once bound by arithmetic. bf16 activations (wo_a, the bf16
+# Linears) take the kernel at every size: torch's bf16 GEMM on the CPU was 5.6 GMAC/s for wo_a at 128 rows.
+BF16_KERNEL_ROWS = 16
+
+
 class FastStoredLinears(StoredLinears, Fast):
+    """The fast order's GEMMs on bf16 weights (the head, wo_a, the bf16 Linears, the router) from their 2
+    bytes a weight by the kernel (bf16_linear: the products of the fp32 GEMM, another summation order) when a
+    call has at most BF16_KERNEL_ROWS rows."""
     name = "fast"
+
+    def dense(self, x, w, derived, key=None):
+        rows = x.numel() // max(1, x.shape[-1])
+        long = rows > BF16_KERNEL_ROWS and x.dtype != torch.bfloat16  # (torch's bf16 GEMM: slower, any size)
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or long or x.shape[-1] % BLOCK:
+            return super().dense(x, w, derived, key)
+        y = bf16_linear(x.reshape(rows, x.shape[-1]), [w])                          # [M, N] fp32
+        return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+    def hc_split_sinkhorn(self, mixes, scale, base, hc, iters, eps):
+        """The gates and the row softmax in torch, the Sinkhorn passes in C (native.sinkhorn_passes: sums in
+        index order, within float rounding of the torch loop's; its 80 operations a call took 0.5 ms)."""
+        lib = native.sinkhorn_library() if mixes.device.type == "cpu" and hc <= 16 else None
+        if lib is None:
+            return super().hc_split_sinkhorn(mixes, scale, base, hc, iters, eps)
+        pre, post, comb = sinkhorn_gates(mixes, scale, base, hc, eps)
+        return pre, post, native.sinkhorn_passes(lib, comb, iters, eps)
+
+    def router_logits(self, x, weight, derived):
+        """The fp32 products of the router's stored bf16 weight (no fp32 copy kept)."""
+        return self.dense(x.float(), weight, derived)
+
+    def grouped_linear(self, x, weight, groups, derived):
+        b, s, g, d = x.shape
+        if weight.dtype != torch.bfloat16 or d % BLOCK:
+            return super().grouped_linear(x, weight, groups, derived)
+        y = bf16_linear(x.reshape(b * s, g, d), weight.view(groups, -1, d).unbind(0))   # [M, G, r] fp32
+        return y.to(x.dtype).view(b, s, g, -1)

@@ -130,3 +130,38 @@ def ordered_scores(lib, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     if lib.od_scores(q.data_ptr(), k.data_ptr(), s.data_ptr(), r, h, c, d, torch.get_num_threads()):
         raise MemoryError(f"ordered dot: no memory for {torch.get_num_threads()} buffers of {c} x {d} floats")
     return s
+
+
+# ---- the fast order's Sinkhorn passes (the CPU model with its Linears from stored bytes) ----
+
+SINKHORN_SOURCE = os.path.join(HERE, "sinkhorn.c")
+SINKHORN_FLAGS = ["-O2", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
+SINKHORN_ENV = "DSV4_SINKHORN"            # "torch": the specification runs instead
+
+
+@functools.lru_cache(maxsize=None)
+def _sinkhorn_library(cc: Optional[str], cache: str):
+    def declare(lib):
+        lib.hc_sinkhorn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_float]
+        lib.hc_sinkhorn.restype = None
+    return load(lambda: compile_shared(SINKHORN_SOURCE, "sinkhorn", SINKHORN_FLAGS, [], cc, cache), declare,
+                "sinkhorn: no native kernel ({reason}); the torch loop runs")
+
+
+def sinkhorn_library():
+    """The native Sinkhorn passes, or None (no compiler, or $DSV4_SINKHORN=torch)."""
+    if os.environ.get(SINKHORN_ENV, "").lower() == "torch":
+        return None
+    return _sinkhorn_library(compiler(), cache_dir())
+
+
+def sinkhorn_passes(lib, comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [..., hc, hc] fp32, its rows softmaxed -> the doubly stochastic matrix of fast.sinkhorn's passes
+    (a new contiguous tensor)."""
+    hc = comb.shape[-1]
+    if hc > 16:
+        raise ValueError(f"sinkhorn: hc {hc} > 16")
+    out = comb.contiguous().clone()
+    lib.hc_sinkhorn(out.data_ptr(), out.numel() // (hc * hc), hc, iters, eps)
+    return out

@@ -155,6 +155,12 @@ class Numerics:
         `key` (default w itself: a weight computed per call, like a dequantised one, names its source)."""
         return F.linear(x, w.to(x.dtype))
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor, derived: Derived) -> torch.Tensor:
+        """The router's fp32 logits: x [N, D] widened to fp32 times its bf16 weight [E, D] widened to fp32
+        (the copy cast once and kept in `derived`) -> [N, E] fp32."""
+        w = derived.get(weight, "float32", weight.float)                    # [E, D] fp32
+        return self.dense(x.float(), w, derived)
+
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, groups: int, derived: Derived):
         """The grouped low-rank output projection: x [B, S, G, d] and weight [G * r, d] -> [B, S, G, r], group
         g multiplied by rows g*r..(g+1)*r of the weight, in x's dtype."""
