@@ -12,8 +12,13 @@ figures taken at different moments would move with it. Then a 512-token prefill 
 experts) in tokens/s and GMAC/s, and the kernel against "dequantise each active expert once into bf16,
 torch's GEMM" on a subset of the active experts; the kernel's build time and peak RSS. With --linear, then:
 one FP8 Linear of 8,192 x 5,120 computed from its stored bytes by the same kernel (--cpu-linears stored)
-against its exact fp32 copy and torch's GEMM (the fast order's way), at the given token counts. Figures are
-printed, never asserted.
+against its exact fp32 copy and torch's GEMM (the fast order's way), at the given token counts.
+
+The per-core ceiling (--no-ceiling skips it): the kernel's rate on one thread with its weights in the last-
+level cache (about 8 MB of each format a decode step reads: MXFP4 expert rows, FP8 Linear rows, bf16 rows),
+a decode step's one token, in GB/s of weight bytes: what one core computes when memory is not the limit. A
+decode with T threads can read at most min(the read bandwidth, T x that ceiling); the routed decode is printed
+against both. Figures are printed, never asserted.
 """
 import argparse
 import functools
@@ -170,6 +175,42 @@ def fp8_linear(tokens: list, gen: torch.Generator, n: int = 8192, k: int = 5120,
     return out
 
 
+CEILING_BYTES = 8 << 20          # weights read per call of the ceiling: in the last-level cache, past L2
+
+
+def ceiling(variant: str, gen: torch.Generator, repeats: int = 40) -> dict:
+    """GB/s of weight bytes one thread computes a decode step's token at, its weights in the last-level cache
+    (the first call brings them there), best of `repeats` calls, per format: {fp4, fp8, bf16: GB/s}."""
+    k = DIM
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(1, k, generator=gen).bfloat16()
+        n4 = CEILING_BYTES // (k // 2 + k // 32)
+        w4 = torch.randint(0, 256, (1, n4, k // 2), dtype=torch.uint8, generator=gen)
+        s4 = torch.randint(118, 126, (1, n4, k // 32), dtype=torch.uint8, generator=gen)
+        n8 = CEILING_BYTES // k // 32 * 32
+        w8 = (torch.randn(n8, k, generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s8 = torch.full((n8 // 32, k // 32), 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        w16 = torch.randn(CEILING_BYTES // (2 * k), k, generator=gen).bfloat16()
+        calls = {"fp4": (lambda: he.expert_linears_fp32(x, [1], [0], [(w4, s4)], "fp4", variant),
+                         w4.nbytes + s4.nbytes),
+                 "fp8": (lambda: he.stored_linear(x, w8, s8, "fp8", variant), w8.nbytes + s8.nbytes),
+                 "bf16": (lambda: he.bf16_linear(x, [w16], variant), w16.nbytes)}
+        for name, (call, nbytes) in calls.items():
+            call()
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                call()
+                best = min(best, time.perf_counter() - t)
+            out[name] = nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m inference.tools.bench experts", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +226,7 @@ def main(argv=None):
                     f"${he.ENV} or auto)")
     ap.add_argument("--linear", default=None, metavar="TOKENS", help="also an FP8 Linear from its stored "
                     "bytes against its fp32 copy at these token counts, e.g. 1,4,64 (after the peak RSS)")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip the per-core ceiling (weights in cache)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     opts = ap.parse_args(argv)
     if opts.steps < 1 or not 1 <= opts.rounds <= opts.steps:
@@ -230,6 +272,14 @@ def main(argv=None):
         f"{100 * r['routed_decode_fraction']:.0f} % of the read bandwidth (round by round "
         f"{100 * min(rounds):.0f}-{100 * max(rounds):.0f} %); median {r['routed_decode_ms']:.2f} ms per "
         f"layer ({TOPK * per / 1e6:.0f} MB)")
+    if not opts.no_ceiling and variant != "torch":
+        r["ceiling_gbs"] = ceiling(variant, gen)
+        bound = min(r["read_bandwidth_gbs"], r["threads"] * r["ceiling_gbs"]["fp4"])
+        r["routed_decode_fraction_of_bound"] = r["routed_decode_gbs"] / bound
+        say("per-core ceiling (1 thread, weights in the last-level cache, one token): " + ", ".join(
+            f"{k} {v:.1f} GB/s" for k, v in r["ceiling_gbs"].items()))
+        say(f"decode against min(read bandwidth, {r['threads']} x the MXFP4 ceiling) = {bound:.1f} GB/s: "
+            f"{100 * r['routed_decode_fraction_of_bound']:.0f} %")
     r.update(prefill(experts, opts.tokens, opts.subset, gen, variant))
     faster = "kernel" if r["prefill_subset_kernel_gmacs"] > r["prefill_subset_dequant_gemm_gmacs"] else \
         "dequant + GEMM"

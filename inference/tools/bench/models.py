@@ -2,10 +2,15 @@
 
     python -m inference.tools.bench                       # tiny (fixture-shaped) and large random models
     python -m inference.tools.bench --models large --contexts 1024,8192 --decode-steps 8
+    python -m inference.tools.bench models --models released --experts-on host --cpu-linears stored \\
+        --numerics fast                                   # the released widths against the memory roofline
     python -m inference.tools.bench -h                    # the other subcommands (experts, convert, ...)
 
 Each model is a synthetic random checkpoint in the real formats (tools/synthetic.py + convert.py, cached
-under --workdir), with the real DeepSeek tokenizer. Figures are printed, never asserted.
+under --workdir), with the real DeepSeek tokenizer. `released` (released.py): the released widths on a mix of
+the released layer kinds, decode at --contexts x --batches, prefill at --prefills, the bytes a step reads and
+the read bandwidth measured in the same run, the released 40-layer model extrapolated. Figures are printed,
+never asserted.
 """
 import argparse
 import os
@@ -19,18 +24,7 @@ import torch
 from ...config import ConfigError, ModelArgs, RuntimeOptions
 from ...engine.errors import InputError
 from ...engine.session import add_model_flags, runtime_options
-from .common import make_args, synthetic_checkpoint
-
-
-def build(name: str, args: ModelArgs, workdir: str, device: str, opts: RuntimeOptions = None):
-    """Synthetic HF checkpoint -> convert.py at MP 1 -> Transformer (all cached in workdir)."""
-    from encoding.tokenizer import load_tokenizer
-    from ...engine.checkpoint import load_checkpoint
-    from ...model import Transformer
-    ckpt = synthetic_checkpoint(name, args, workdir, shards=2)
-    model = Transformer(args, opts=opts, device=device, tokenizer=load_tokenizer(ckpt))
-    load_checkpoint(model, ckpt)
-    return model
+from .common import WARM_UP, KindTimer, build, make_args, warm_up
 
 
 def weight_bytes_per_token(model) -> int:
@@ -60,21 +54,6 @@ def engram_bytes_moved(model) -> int:
     return sum(layer.engram.embed.bytes_moved for layer in model.layers if layer.engram is not None)
 
 
-WARM_UP = 64
-
-
-def warm_up(model, gen: torch.Generator) -> float:
-    """A short prefill and a decode step before anything is timed -> their seconds: the first call builds
-    what the numerics derive from the weights once (dequantized copies, packed layouts), a cost of the
-    model's first prompt, not of a prefill's length."""
-    model.reset()
-    ids = torch.randint(3, model.args.vocab_size, (1, WARM_UP + 1), generator=gen).to(model.ctx.device)
-    t = time.perf_counter()
-    model.prefill(ids[:, :WARM_UP])
-    model.decode(ids[:, WARM_UP:], WARM_UP)
-    return time.perf_counter() - t
-
-
 def bench_context(model, context: int, steps: int, gen: torch.Generator):
     """-> (prefill tokens/s, decode ms/step, Engram bytes moved per decode step)."""
     model.reset()
@@ -89,40 +68,6 @@ def bench_context(model, context: int, steps: int, gen: torch.Generator):
     moved = (engram_bytes_moved(model) - moved) / steps
     times = sorted(times)[:max(1, len(times) - len(times) // 4)]      # drop the slowest quarter (noise)
     return context / t_prefill, 1e3 * sum(times) / len(times), moved
-
-
-class KindTimer:
-    """Wall seconds per module kind (launches.module_kind: attention, indexer, gate, routed experts, ...),
-    each second charged to the innermost module of a kind that runs then ("other": outside all, the call's
-    set-up and the head's sampling). `kinds` is the stack launches.attribute keeps."""
-
-    def __init__(self):
-        timer = self
-
-        class Kinds(list):
-            def append(self, kind):
-                timer.switch()
-                super().append(kind)
-
-            def pop(self):
-                timer.switch()
-                return super().pop()
-        self.kinds, self.seconds, self.mark = Kinds(), {}, time.perf_counter()
-
-    def restart(self) -> None:
-        """Time from now (what ran before is nobody's)."""
-        self.seconds, self.mark = {}, time.perf_counter()
-
-    def switch(self) -> None:
-        now = time.perf_counter()
-        kind = self.kinds[-1] if self.kinds else "other"
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + now - self.mark
-        self.mark = now
-
-    def shares(self) -> str:
-        total = sum(self.seconds.values()) or 1.0
-        rows = sorted(self.seconds.items(), key=lambda kv: -kv[1])
-        return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in rows if v / total >= 0.005)
 
 
 def breakdown(model, context: int, steps: int, gen: torch.Generator) -> Tuple[str, str]:
@@ -166,9 +111,23 @@ def profile_decode(model, context: int, steps: int, gen: torch.Generator, top: i
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m inference.tools.bench models", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large")
-    ap.add_argument("--contexts", default="1024,8192", help="prompt lengths to decode after")
-    ap.add_argument("--decode-steps", type=int, default=8, help="decode steps measured per context")
+    ap.add_argument("--models", default="tiny,large", help="comma-separated: tiny, large, released")
+    ap.add_argument("--contexts", default=None, help="prompt lengths to decode after (default 1024,8192; "
+                    "released: the positions its decode steps run at, 1024,16384)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="decode steps measured per context "
+                    "(default 8; released: 6 per (context, batch), and as many again with timing hooks)")
+    r = ap.add_argument_group("released (--models released)")
+    r.add_argument("--layers", type=int, default=7, help="layers in the released mix (at least 7: one of "
+                   "each kind; more add ratio-2 and ratio-1 sharers)")
+    r.add_argument("--experts", type=int, default=64, help="routed experts held a layer (18.8 MB each)")
+    r.add_argument("--batches", default="1,4,16", help="rows of a decode step")
+    r.add_argument("--prefills", default="512,4096", help="prompt lengths of the prefill figures (empty: "
+                   "none)")
+    r.add_argument("--bandwidth-gbs", type=float, default=186.0, help="a bandwidth to extrapolate the "
+                   "released model to (186: the EPYC of llama.cpp's published 9.7 tokens/s)")
+    r.add_argument("--json", action="store_true", help="one JSON object a line per (context, batch)")
+    r.add_argument("--widths", default=None, help="a flat config.json whose widths the mix takes instead of "
+                   "the released ones (a quick run of the whole command on small widths)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="time the first prefill as a fresh process's first prompt (by default a short "
                          "first call builds what the numerics derive from the weights, timed apart)")
@@ -182,21 +141,52 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def positive_ints(text: str, flag: str) -> list:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"bench models: {flag} takes comma-separated integers, got {text!r}")
+    if any(v < 1 for v in values):
+        raise SystemExit(f"bench models: {flag} takes positive integers, got {text!r}")
+    return values
+
+
 def main(argv=None):
     opts = build_parser().parse_args(argv)
     try:
         runtime = runtime_options(opts)
     except (InputError, ConfigError) as e:
         raise SystemExit(f"bench models: {e}")
+    names = [n for n in opts.models.split(",") if n]
+    unknown = [n for n in names if n not in ("tiny", "large", "released")]
+    if unknown:
+        raise SystemExit(f"bench models: unknown model {unknown[0]!r} (tiny, large, released)")
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    contexts = [int(c) for c in opts.contexts.split(",")]
     gen = torch.Generator().manual_seed(0)
     os.makedirs(opts.workdir, exist_ok=True)
-    print(f"device {opts.device}, {torch.get_num_threads()} threads, torch {torch.__version__}, numerics "
-          f"{opts.numerics}, kernel backend {opts.kernel_backend}")
-    for name in opts.models.split(","):
-        args = make_args(name, max(contexts) + opts.decode_steps + 8)
+    if not opts.json:
+        print(f"device {opts.device}, {torch.get_num_threads()} threads, torch {torch.__version__}, numerics "
+              f"{opts.numerics}, kernel backend {opts.kernel_backend}, experts on {opts.experts_on}, "
+              f"cpu linears {opts.cpu_linears}")
+    if "released" in names:
+        from .released import run
+        from .common import MIN_RELEASED_LAYERS
+        if opts.layers < MIN_RELEASED_LAYERS:
+            raise SystemExit(f"bench models: --layers {opts.layers}: the released mix needs at least "
+                             f"{MIN_RELEASED_LAYERS} (one layer of each kind)")
+        if opts.experts < 6:
+            raise SystemExit(f"bench models: --experts {opts.experts}: a layer selects 6 (6 or more, then)")
+        if opts.widths is not None and not os.path.isfile(opts.widths):
+            raise SystemExit(f"bench models: --widths {opts.widths}: no such file")
+        run(opts, runtime, opts.layers, opts.experts,
+            positive_ints(opts.contexts or "1024,16384", "--contexts"),
+            positive_ints(opts.batches, "--batches"), positive_ints(opts.prefills, "--prefills"),
+            opts.decode_steps or 6, opts.bandwidth_gbs, opts.breakdown, opts.json, opts.widths)
+    contexts = positive_ints(opts.contexts or "1024,8192", "--contexts")
+    steps = opts.decode_steps or 8
+    for name in (n for n in names if n != "released"):
+        args = make_args(name, max(contexts) + steps + 8)
         model = build(name, args, opts.workdir, opts.device, runtime)
         per_token = weight_bytes_per_token(model)
         print(f"[{name}] dim {args.dim}, {args.n_layers} layers, {args.n_routed_experts} experts, "
@@ -210,15 +200,15 @@ def main(argv=None):
             print(f"[{name}] first call (a prefill of {WARM_UP} tokens and a decode step): {warm:.2f} s, the "
                   f"layouts the numerics derive from the weights built once (not in the figures below)")
         for ctx in contexts:
-            tps, ms, moved = bench_context(model, ctx, opts.decode_steps, gen)
+            tps, ms, moved = bench_context(model, ctx, steps, gen)
             results[ctx] = ms
             print(f"[{name}] context {ctx:6d}: prefill {tps:9.1f} tok/s | decode {ms:8.1f} ms/step "
                   f"({1e3 / ms:6.2f} tok/s, {per_token / ms / 1e6:6.2f} GB/s of weights) | Engram on "
                   f"{opts.engram_on}: {moved / 1e3:.1f} KB moved per step")
             if opts.profile:
-                print(f"[{name}] context {ctx:6d}: {profile_decode(model, ctx, opts.decode_steps, gen)}")
+                print(f"[{name}] context {ctx:6d}: {profile_decode(model, ctx, steps, gen)}")
             if opts.breakdown:
-                pre, dec = breakdown(model, ctx, opts.decode_steps, gen)
+                pre, dec = breakdown(model, ctx, steps, gen)
                 print(f"[{name}] context {ctx:6d}: prefill by module kind: {pre}")
                 print(f"[{name}] context {ctx:6d}: decode by module kind: {dec}")
         if len(contexts) > 1:
@@ -229,4 +219,3 @@ def main(argv=None):
             peak = torch.cuda.max_memory_allocated() / 2 ** 30
         print(f"[{name}] peak memory so far: {peak:.2f} GiB")
         del model
-
