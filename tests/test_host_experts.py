@@ -206,6 +206,22 @@ def test_two_projections_in_one_call_and_threads(variant):
 
 
 @pytest.mark.parametrize("variant", NATIVE)
+@pytest.mark.parametrize("big", [False, True])
+def test_fp8_one_token_scales_activations_or_weights_alike(variant, big):
+    """AVX2's one-token FP8 tile multiplies a block's activations by the weights' scale, where that stays
+    below 2^127, instead of every weight (host_experts.c tile_fp8_one): the same exact products. Integer
+    activations times 2^100 (`big`: every block takes the weights' multiply) or not, weights 0 .. 6 at scale
+    1: exact sums, the spec's bits either way."""
+    gen = torch.Generator().manual_seed(11)
+    w, s = stored("fp8", 2, 40, 96, gen, small=True)
+    x = torch.randint(-7, 8, (2, 96), generator=gen).float() * (2.0 ** 100 if big else 1.0)
+    x = x.bfloat16()
+    spec = he.linear_torch(x, [1, 1], [1, 0], w, s, "fp8").to(torch.bfloat16)
+    got = he.expert_linear(x, [1, 1], [1, 0], w, s, "fp8", variant)
+    assert torch.equal(got.view(torch.int16), spec.view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", NATIVE)
 @pytest.mark.parametrize("order", [0, 1, 2, 3, 4, 5])
 def test_c_act_quant_is_torchs_bit_for_bit(variant, order):
     """he_act_quant against act_quant (dequantised, reordered): magnitudes over 2^-40 .. 2^40 within blocks

@@ -149,6 +149,7 @@ typedef struct {
     const float *x;       /* [m, K] activations */
     float *y;             /* [m, ldy] outputs (this projection's columns) */
     int64_t n, m, ldy;
+    int x_exp;            /* every |x| < 2^x_exp (he_run sets it for tile_fp8_one) */
 } job_t;
 
 static inline __attribute__((always_inline)) void tile(const job_t *j, int64_t k, int fp4, int64_t r0,
@@ -443,7 +444,12 @@ static inline __attribute__((always_inline)) void tile_fp4_pairs(const job_t *j,
    four loads 3, 2, 1 and 0 bytes before it, so that the top byte of dword i of load q is the block's element
    4i + q (order 5: element 4i + q at 8q + i); shifted right by 4 with the sign (vpsrad), that byte becomes
    decode_fp8's bits (the sign at 31, the magnitude at 20..26) in two operations where the sign extension took
-   three. The first block of a job reads its bytes from a copy (the bytes before a tensor may be unmapped). */
+   three. Those bits read as fp32 are the code's value times 2^-120; decode_fp8 multiplies each weight by
+   2^(e - 7) (e the block's scale byte). Here the block's 32 activations are multiplied by it instead, once for
+   the R rows that share the scale (W x 2^(e - 7) x = W x (2^(e - 7) x): the same exact products, the same
+   sums), which frees the FMA pipes of a multiply a weight (a fifth less time in cache, Zen 3), wherever
+   2^(e - 7) |x| stays below 2^127 (x_exp); other blocks multiply their weights. The first block of a job reads
+   its bytes from a copy (the bytes before a tensor may be unmapped). */
 static inline __attribute__((always_inline)) void tile_fp8_one(const job_t *j, int64_t k, int64_t r0,
                                                                const int R) {
     const int64_t kb_n = k / BLK;
@@ -457,6 +463,12 @@ static inline __attribute__((always_inline)) void tile_fp8_one(const job_t *j, i
         const __m256 m1 = _mm256_set1_ps(e < 135 ? bits_float((uint32_t)(e + 120) << 23)
                                                  : bits_float(247u << 23));
         const __m256 m2 = _mm256_set1_ps(e < 135 ? 1.0f : ue8m0(e));
+        const int scaled_x = e >= 7 && (int)e - 7 + j->x_exp <= 126; /* 2^(e - 7) x: no overflow */
+        __m256 xs[4];
+        for (int q = 0; q < 4; q++) {
+            xs[q] = _mm256_loadu_ps(x + kb * BLK + 8 * q);
+            if (scaled_x) xs[q] = _mm256_mul_ps(xs[q], m1); /* m1 is 2^(e - 7) there */
+        }
         for (int r = 0; r < R; r++) {
             const uint8_t *p = j->w + (r0 + r) * k + kb * BLK;
             _mm_prefetch((const char *)(p + 2 * R * k), _MM_HINT_T0);
@@ -468,9 +480,11 @@ static inline __attribute__((always_inline)) void tile_fp8_one(const job_t *j, i
             for (int q = 0; q < 4; q++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(p + q - 3));
                 __m256 w = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(v, 4), keep));
-                w = _mm256_mul_ps(w, m1);
-                if (e >= 135) w = _mm256_mul_ps(w, m2);
-                acc[r][q % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + kb * BLK + 8 * q), acc[r][q % 2]);
+                if (!scaled_x) {
+                    w = _mm256_mul_ps(w, m1);
+                    if (e >= 135) w = _mm256_mul_ps(w, m2);
+                }
+                acc[r][q % 2] = _mm256_fmadd_ps(w, xs[q], acc[r][q % 2]);
             }
         }
     }
@@ -857,6 +871,20 @@ void he_act_quant(const uint16_t *x, int64_t m, int64_t k, float *out, int64_t k
 
 const char *he_variant(void) { return VARIANT; }
 
+/* the smallest e with every |x[i]| < 2^e, i < n (128 for an inf or NaN: no block takes tile_fp8_one's scaled
+   activations then) */
+static int exponent_bound(const float *x, int64_t n) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        top = a > top || a != a ? a : top;
+    }
+    if (!(top <= 0x1.fffffep127f)) return 128;
+    int e;
+    frexpf(top, &e); /* top < 2^e */
+    return e;
+}
+
 /* jobs: n_jobs x 7 int64 (w, s, x, y pointers, n, m, ldy). first: n_jobs + 1 int64 of scratch.
    fmt: 4 (MXFP4), 8 (FP8) or 16 (bf16, no scales: s unused). order: the activations' (he_act_quant,
    he_widen), FP8 0, MXFP4 this build's FP4_ORDER, or on AVX2 4 where every job has one row (a decode step),
@@ -876,7 +904,8 @@ int he_run(const int64_t *jobs, int64_t n_jobs, int64_t *first, int64_t k, int f
     for (int64_t i = 0; i < n_jobs; i++) {
         const int64_t *d = jobs + 7 * i;
         js[i] = (job_t){(const uint8_t *)(intptr_t)d[0], (const uint8_t *)(intptr_t)d[1],
-                        (const float *)(intptr_t)d[2], (float *)(intptr_t)d[3], d[4], d[5], d[6]};
+                        (const float *)(intptr_t)d[2], (float *)(intptr_t)d[3], d[4], d[5], d[6], 128};
+        if (paired && fmt == 8) js[i].x_exp = exponent_bound(js[i].x, js[i].m * k);
         first[i + 1] = first[i] + (js[i].m > 0 ? (js[i].n + CHUNK - 1) / CHUNK : 0);
     }
     work_t wk = {js, first, n_jobs, k, 0, fmt, paired};
