@@ -259,10 +259,15 @@ NOT_READ_PER_TOKEN = re.compile(r"^(embed\.|mtp\.|vision\.|aligner\.|image_(star
                                 r"\.engram\.embed\.")
 
 
+# Held in fp32 by default, in bf16 as stored with --cpu-linears stored (layers.ParallelHead).
+STORED_FORM_BF16 = re.compile(r"^head\.weight$")
+
+
 def cpu_decode_read_bytes(model: Transformer) -> Dict[str, int]:
     """Weight bytes one decode token reads on the CPU path besides the routed experts, per --cpu-linears form:
     each parameter as held (NOT_READ_PER_TOKEN aside); with fp32 an FP8/FP4 Linear as the fp32 copy it
-    computes from (4 bytes a weight, its stored bytes and scales unread), with stored as held."""
+    computes from (4 bytes a weight, its stored bytes and scales unread), with stored as held, the head in
+    bf16 (as that form holds it, whatever form `model` was built for)."""
     quantized = {name: m for name, m in model.named_modules()
                  if isinstance(m, Linear) and m.kind in ("fp8", "fp4")}
     total = {form: 0 for form in CPU_LINEARS}
@@ -271,7 +276,8 @@ def cpu_decode_read_bytes(model: Transformer) -> Dict[str, int]:
             continue
         owner, _, leaf = name.rpartition(".")
         m = quantized.get(owner)
-        total["stored"] += nbytes(p)
+        widened = p.dtype == torch.float32 and STORED_FORM_BF16.match(name)
+        total["stored"] += nbytes(p) // 2 if widened else nbytes(p)
         if m is None:
             total["fp32"] += nbytes(p)
         elif leaf == "weight":

@@ -480,10 +480,11 @@ class ExactStoredLinears(StoredLinears, Exact):
 
 
 # Calls of at most this many rows with fp32 activations (the head, the router) run their bf16 weight through
-# the kernel, which reads each weight once per tile of 4 tokens; a longer one (all-position logits) is
-# torch's fp32 GEMM on the widened weight, faster once bound by arithmetic. bf16 activations (wo_a, the bf16
-# Linears) take the kernel at every size: torch's bf16 GEMM on the CPU was 5.6 GMAC/s for wo_a at 128 rows.
-BF16_KERNEL_ROWS = 16
+# the kernel, which reads each weight once per tile of 4 tokens (36 GMAC/s at 16 rows, 2 Zen 3 threads); a
+# longer one (all-position logits) is torch's fp32 GEMM on the weight widened for the call (2.6 GB for the
+# head), faster once bound by arithmetic. bf16 activations (wo_a, the bf16 Linears) take the kernel at every
+# size: torch's bf16 GEMM on the CPU was 5.6 GMAC/s for wo_a at 128 rows.
+BF16_KERNEL_ROWS = 64
 
 
 class FastStoredLinears(StoredLinears, Fast):

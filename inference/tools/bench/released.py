@@ -355,12 +355,17 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def planned_bytes(args: ModelArgs, opts: RuntimeOptions, chunk: int) -> int:
-    """The memory plan's host bytes for this model on the CPU (tools/plan.py cpu_only: the weights, the fp32
-    copies the CPU path keeps, the caches, the larger workspace of a decode step and a prefill of `chunk`)."""
-    from ...engine.memory import plan_memory
-    from ..plan import cpu_only
-    return cpu_only(plan_memory(args, 1, opts, on_gpu=False), chunk)["host_bytes"]
+def planned_bytes(args: ModelArgs, opts: RuntimeOptions, batch: int, prefill: int) -> int:
+    """The memory plan's host bytes for what this bench runs on the CPU: the weights, the fp32 copies the CPU
+    path keeps, the caches (args.max_batch_size rows of max_seq_len), and the larger workspace (the CPU
+    path's stages and the expert kernel's) of a decode step of `batch` rows and a one-row prefill of
+    `prefill` tokens (memory.py)."""
+    from ...engine.memory import plan_memory, workspace_bytes
+    plan = plan_memory(args, 1, opts, on_gpu=False)
+    r = plan.worst
+    stages = [max(workspace_bytes(plan.shapes, b, s, on_gpu=False).values()) +
+              plan.host_workspace(b * s) for b, s in ((batch, 1), (1, max(1, prefill)))]
+    return r.weights_bytes + r.dequant_bytes + r.cache_bytes + max(stages)
 
 
 def run(opts, runtime: RuntimeOptions, layers: int, experts: int, contexts: List[int], batches: List[int],
@@ -404,7 +409,7 @@ def run(opts, runtime: RuntimeOptions, layers: int, experts: int, contexts: List
         say(f"[released] prefill {n:6d} tokens: {tps:8.2f} tokens/s" + (f"; by module kind: {shares}"
                                                                         if breakdown else ""), flush=True)
     rss = max(loaded_rss, peak_rss() - buf.nbytes)       # (the bandwidth buffer is the bench's)
-    plan = planned_bytes(args, runtime, max(prefills + [1]))
+    plan = planned_bytes(args, runtime, max(batches), max(prefills + [1]))
     say(f"[released] peak RSS {rss / 2 ** 30:.2f} GiB (the bandwidth buffer aside); the memory plan "
         f"{plan / 2 ** 30:.2f} GiB (weights, the CPU path's copies, caches, workspace; not the runtime)")
     records = []
