@@ -109,14 +109,13 @@ class ParallelEmbedding(nn.Module):
 
 class ParallelHead(nn.Module):
     """fp32 output head (the stored bf16 weight widened: exact), vocabulary rows split over ranks, logits
-    all-gathered in rank order. With --cpu-linears stored the weight stays bf16 as stored (half the bytes a
-    decode step reads); the numerics compute the same fp32 products from it."""
+    all-gathered in rank order. The numerics say how the weight is held: in fp32, or in bf16 as stored (the
+    fast order with --cpu-linears stored: half the bytes a decode step reads, the same fp32 products)."""
 
     def __init__(self, vocab_size: int, dim: int, ctx: ModelContext):
         super().__init__()
         self.ctx, self.nx = ctx, ctx.numerics
-        dtype = torch.bfloat16 if ctx.opts.cpu_linears == "stored" else torch.float32
-        self.weight = _param((vocab_size // ctx.par.world_size, dim), dtype)
+        self.weight = _param((vocab_size // ctx.par.world_size, dim), ctx.numerics.head_dtype)
         self.derived = Derived()
 
     def forward(self, x: torch.Tensor, all_positions: bool = False, call=None) -> torch.Tensor:

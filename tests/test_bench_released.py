@@ -135,3 +135,24 @@ def test_the_command_on_small_widths(tmp_path):
     assert bad.returncode != 0 and "--layers 5: the released mix needs at least 7" in bad.stderr
     bad = subprocess.run(cmd[:6] + ["--batches", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--batches takes positive integers" in bad.stderr
+
+
+def test_bench_models_with_the_experts_on_the_host_makes_openmp_passive(monkeypatch):
+    """As generate.py: `bench models --experts-on host` sets OMP_WAIT_POLICY=PASSIVE before torch loads
+    (torch's idle OpenMP workers would spin on the cores the host kernel needs); a value the user set wins,
+    and other runs leave it alone."""
+    from types import SimpleNamespace
+    from inference.tools.bench import __main__ as bench_main
+    seen = []
+    monkeypatch.setattr(bench_main.importlib, "import_module", lambda name: SimpleNamespace(
+        main=lambda rest: seen.append(os.environ.get("OMP_WAIT_POLICY"))))
+    for argv, preset, want in [(["models", "--experts-on", "host"], None, "PASSIVE"),
+                               (["models", "--experts-on=host"], None, "PASSIVE"),
+                               (["models", "--experts-on", "host"], "ACTIVE", "ACTIVE"),
+                               (["models"], None, None), (["experts"], None, None)]:
+        if preset is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+        bench_main.main(argv)
+        assert seen[-1] == want, argv

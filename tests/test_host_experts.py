@@ -473,9 +473,10 @@ def test_sinkhorn_passes_in_c_are_the_torch_loops_within_rounding():
 
 
 def test_fast_stored_linears_use_the_bf16_and_sinkhorn_kernels_within_their_bounds():
-    """The fast order with --cpu-linears stored: its head / router / wo_a GEMMs on bf16 weights and its
-    Sinkhorn against the fast order's own (within the bounds above); the exact order with the same option
-    gives the exact order's bits (a bf16 weight widened per call is the fp32 copy's value)."""
+    """The fast order with --cpu-linears stored: its head (held in bf16) / router / wo_a GEMMs on bf16
+    weights and its Sinkhorn against the fast order's own (within the bounds above); the exact order with the
+    same option keeps the head in fp32 and gives the exact order's bits (a bf16 weight widened is the fp32
+    copy's value)."""
     from inference.config import RuntimeOptions
     from inference.kernels import numerics_for
     from inference.kernels.numerics import Derived
@@ -486,6 +487,7 @@ def test_fast_stored_linears_use_the_bf16_and_sinkhorn_kernels_within_their_boun
     exact = numerics_for(RuntimeOptions.from_profile("reference"), "cpu")
     exact_stored = numerics_for(RuntimeOptions.from_profile("reference", experts_on="host",
                                                             cpu_linears="stored"), "cpu")
+    assert stored_nx.head_dtype == torch.bfloat16 and exact_stored.head_dtype == torch.float32
     x = torch.randn(2, 3, 256, generator=gen).bfloat16()
     w = torch.randn(50, 256, generator=gen).bfloat16()
     want = fast_nx.dense(x.float(), w.float(), Derived())

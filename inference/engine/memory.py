@@ -213,8 +213,9 @@ def build_meta_model(args: ModelArgs, world_size: int, rank: int, opts: Optional
     """The model of one rank with every tensor on the meta device (no memory, exact shapes and dtypes). The
     kernel backend changes no shape: the torch one builds on any device. Nor do the placements: the Engram
     tables are built on the device (a host placement would reserve their host memory), the routed experts of
-    --experts-on host stay on the meta device too, and the plan places them by category. --cpu-linears stored
-    keeps the head in bf16 as stored (layers.ParallelHead): the build keeps that option."""
+    --experts-on host stay on the meta device too, and the plan places them by category. The fast order with
+    --cpu-linears stored holds the head in bf16 as stored (layers.ParallelHead): the build keeps the
+    options."""
     opts = replace(opts or RuntimeOptions(), kernel_backend="torch", engram_on="device")
     return Transformer(args, ParallelContext(world_size, rank), opts, "meta", build_dspark=build_dspark,
                        language_model_only=language_model_only)
@@ -259,7 +260,8 @@ NOT_READ_PER_TOKEN = re.compile(r"^(embed\.|mtp\.|vision\.|aligner\.|image_(star
                                 r"\.engram\.embed\.")
 
 
-# Held in fp32 by default, in bf16 as stored with --cpu-linears stored (layers.ParallelHead).
+# Held in fp32 by default, in bf16 as stored by the fast order with --cpu-linears stored (its numerics'
+# head_dtype, layers.ParallelHead).
 STORED_FORM_BF16 = re.compile(r"^head\.weight$")
 
 
@@ -267,7 +269,7 @@ def cpu_decode_read_bytes(model: Transformer) -> Dict[str, int]:
     """Weight bytes one decode token reads on the CPU path besides the routed experts, per --cpu-linears form:
     each parameter as held (NOT_READ_PER_TOKEN aside); with fp32 an FP8/FP4 Linear as the fp32 copy it
     computes from (4 bytes a weight, its stored bytes and scales unread), with stored as held, the head in
-    bf16 (as that form holds it, whatever form `model` was built for)."""
+    bf16 as the fast order holds it then (the exact order keeps it in fp32: 1.32 GB more a token)."""
     quantized = {name: m for name, m in model.named_modules()
                  if isinstance(m, Linear) and m.kind in ("fp8", "fp4")}
     total = {form: 0 for form in CPU_LINEARS}

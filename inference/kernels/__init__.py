@@ -122,6 +122,8 @@ def numerics_for(opts: RuntimeOptions, device) -> Numerics:
     (reference, or golden). Made once, where the model is built; a meta device (a memory plan) gets one
     that is never asked to compute."""
     if torch.device(device).type == "meta":          # a memory plan: shapes only, never a kernel call
+        if opts.cpu_linears == "stored":             # (but the weights held as the CPU run holds them)
+            return (FastStoredLinears if opts.order == "fast" else ExactStoredLinears)(opts.golden, device)
         return (Invariant if opts.order == "invariant" else Fast)(opts.golden, device)
     check_device(opts, device)
     path = route(opts, device)

@@ -457,7 +457,6 @@ class StoredLinears:
     """An order's FP8/FP4 Linears computed by the host-expert kernel from their stored bytes (a CPU model with
     RuntimeOptions.cpu_linears = "stored", numerics_for): no fp32 copy is made, a decode step reads 1 byte a
     weight (FP8) instead of the copy's 4, and the products are the order's own, summed in the kernel's order.
-    The bf16-stored weights the model would hold in fp32 (the head) stay bf16 (layers.ParallelHead).
     Everything else is the order's (Exact or Fast, below)."""
 
     def quant_linear(self, held, x):
@@ -474,8 +473,8 @@ class StoredLinears:
 
 
 class ExactStoredLinears(StoredLinears, Exact):
-    """The exact order's GEMMs on bf16 weights stay torch's on the widened weight (the same bits as an fp32
-    copy: the head widens per call)."""
+    """The exact order's GEMMs on bf16 weights stay torch's on the widened weight (its bits: the head held in
+    fp32, as the order holds it without the option)."""
     name = "exact"
 
 
@@ -488,10 +487,11 @@ BF16_KERNEL_ROWS = 64
 
 
 class FastStoredLinears(StoredLinears, Fast):
-    """The fast order's GEMMs on bf16 weights (the head, wo_a, the bf16 Linears, the router) from their 2
-    bytes a weight by the kernel (bf16_linear: the products of the fp32 GEMM, another summation order) when a
-    call has at most BF16_KERNEL_ROWS rows."""
+    """The fast order's GEMMs on bf16 weights (the head, held in bf16 as stored: layers.ParallelHead; wo_a,
+    the bf16 Linears, the router) from their 2 bytes a weight by the kernel (bf16_linear: the products of the
+    fp32 GEMM, another summation order), for fp32 activations when a call has at most BF16_KERNEL_ROWS rows."""
     name = "fast"
+    head_dtype = torch.bfloat16
 
     def dense(self, x, w, derived, key=None):
         rows = x.numel() // max(1, x.shape[-1])

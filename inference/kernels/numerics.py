@@ -92,6 +92,8 @@ class Numerics:
     rows_independent = False
     # Whether batched GEMMs on dequantised stacked experts give this order's numbers (experts.StackedExperts).
     gathers_experts = False
+    # How the output head's weight (stored in bf16) is held: widened to fp32 once, for the fp32 GEMM.
+    head_dtype = torch.float32
 
     def __init__(self, golden: bool = False, device="cpu"):
         self.golden = golden

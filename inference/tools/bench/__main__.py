@@ -1,6 +1,7 @@
 """`python -m inference.tools.bench [SUBCOMMAND] [OPTIONS]`: the first word picks the benchmark, the rest are
 its options (`... SUBCOMMAND --help`). No first word, or an option first, is `models`."""
 import importlib
+import os
 import sys
 
 # name -> one line; each name is a module here with main(argv)
@@ -32,6 +33,12 @@ def main(argv=None) -> int:
         print(f"{PROG}: unknown subcommand {name!r} (expected one of {', '.join(SUBCOMMANDS)})",
               file=sys.stderr)
         return 2
+    host = any(a == "--experts-on=host" or (a == "--experts-on" and rest[i + 1:i + 2] == ["host"])
+               for i, a in enumerate(rest))
+    if name == "models" and host:
+        # as generate.py: torch's idle OpenMP workers would spin on the cores the host kernel's threads need
+        # (read when torch loads; docs/benchmarks.md §6.1). A value the user set wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # imported on use: each subcommand pulls in only what it needs
     result = importlib.import_module(f"{__package__}.{name}").main(rest)
     return result if isinstance(result, int) else 0

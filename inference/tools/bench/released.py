@@ -66,10 +66,15 @@ def expert_bytes(model) -> int:
 
 
 def weight_read_bytes(model) -> int:
-    """Weights a decode step touches, as the model holds them (memory.cpu_decode_read_bytes: the main layers
-    and the head, not the routed experts, the embedding, the Engram tables or the DSpark head)."""
-    from ...engine.memory import cpu_decode_read_bytes
-    return cpu_decode_read_bytes(model)[model.ctx.opts.cpu_linears]
+    """Weights a decode step touches, as the model holds them: the main layers' and the head's parameters
+    (not the routed experts, the embedding, the Engram tables or the DSpark head: memory.py's rules), each
+    FP8/FP4 Linear as the fp32 copy it computes from with --cpu-linears fp32
+    (memory.cpu_decode_read_bytes)."""
+    from ...engine.memory import HOST_EXPERTS, NOT_READ_PER_TOKEN, cpu_decode_read_bytes
+    if model.ctx.opts.cpu_linears == "fp32":
+        return cpu_decode_read_bytes(model)["fp32"]
+    return sum(p.nbytes for n, p in model.named_parameters()
+               if not (HOST_EXPERTS.match(n) or NOT_READ_PER_TOKEN.search(n)))
 
 
 def cache_read_bytes(args: ModelArgs, packed: bool, pos: int) -> int:
@@ -286,7 +291,7 @@ def released_model_bytes(opts: RuntimeOptions, widths: Optional[str] = None):
     """(the released config, one routed expert's stored bytes, the weights a released decode step touches as
     this placement holds them): the released config.json (or its --widths variant, all 40 layers) built on
     the meta device (exact bytes)."""
-    from ...engine.memory import build_meta_model, cpu_decode_read_bytes
+    from ...engine.memory import build_meta_model
     cfg = released_config(widths)
     if widths is not None:                  # the released Engram tables, at small widths
         cfg["engram_num_embeddings"] = engram_table_sizes(ModelArgs(**cfg))
@@ -294,7 +299,7 @@ def released_model_bytes(opts: RuntimeOptions, widths: Optional[str] = None):
     model = build_meta_model(args, 1, 0, opts)
     moe = model.layers[0].ffn
     per_expert = sum(t[0].nbytes for pair in moe.stacked.values() for t in pair if t is not None)
-    return args, per_expert, cpu_decode_read_bytes(model)[opts.cpu_linears]
+    return args, per_expert, weight_read_bytes(model)
 
 
 def released_step_bytes(released, opts: RuntimeOptions, batch: int, pos: int) -> StepBytes:
@@ -400,6 +405,12 @@ def run(opts, runtime: RuntimeOptions, layers: int, experts: int, contexts: List
                 f"({row.tokens_per_s:6.2f} tokens/s), reads {row.bytes.total / 1e9:6.3f} GB a step at "
                 f"{row.bytes.total / row.ms / 1e6:5.1f} GB/s = {100 * row.roofline_fraction:4.1f} % of the "
                 f"read bandwidth {row.bandwidth_gbs:5.1f} GB/s", flush=True)
+            by_kind = {k: 1e3 * sum(t for n, t in zip(kinds, row.layers) if n == k) / kinds.count(k)
+                       for k in dict.fromkeys(kinds)}
+            say(f"[released] context {ctx:6d} batch {b:3d}: a layer of each kind: " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in by_kind.items()) + f"; Engram "
+                f"{1e3 * sum(row.engram) / max(1, len(row.engram)):.1f} ms; distinct experts a layer "
+                f"{row.distinct:.1f}")
             if breakdown:
                 say(f"[released] context {ctx:6d} batch {b:3d}: decode by module kind: {row.kinds}")
     pre = {}
@@ -426,6 +437,7 @@ def run(opts, runtime: RuntimeOptions, layers: int, experts: int, contexts: List
                "peak_rss_bytes": rss, "plan_bytes": plan,
                "layer_kind_ms": {k: 1e3 * sum(t for n, t in zip(kinds, row.layers) if n == k) /
                                  kinds.count(k) for k in dict.fromkeys(kinds)},
+               "routed_ms": 1e3 * sum(row.routed),
                "engram_ms": 1e3 * sum(row.engram) / max(1, len(row.engram)),
                "released_seconds_per_step": ext.seconds, "released_tokens_per_s": ext.tokens_per_s,
                "released_read_bytes": ext.bytes.total, "released_roofline_fraction": ext.roofline_fraction,
