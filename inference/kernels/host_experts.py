@@ -15,9 +15,9 @@ Two implementations of the same function:
             decoded in registers (avx512: the 16-entry E2M1 table looked up with vpermps, the block's power
             of two applied by a multiply; avx2: each code's two bf16 bytes, scale included, looked up with
             vpshufb in the tables of the block's scale byte, a decode step's blocks two at a time), fp32
-            FMAs; weight rows in chunks over
-            torch.get_num_threads() threads. Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C);
-            auto picks by the CPU. The model's host experts ask for 2 MB pages (advise_huge_pages).
+            FMAs; weight rows in chunks over torch.get_num_threads() threads (a team started once, woken per
+            call). Variants: avx512, avx2 (AVX2 + FMA) and scalar (portable C); auto picks by the CPU. The
+            model's host experts ask for 2 MB pages (advise_huge_pages).
 The choice: the `variant` argument, else $DSV4_HOST_EXPERTS (auto | torch | avx512 | avx2 | scalar), else
 auto. A native variant beyond what the CPU runs (torch's view of it, as auto's) is refused in one line (a
 ValueError) rather than dying of SIGILL. When the kernel cannot be built (no compiler: $CC, else cc or gcc),
@@ -25,7 +25,8 @@ one line on stderr says so, once per process (and variant asked for), and the to
 
 The same kernel computes the model's other FP8/FP4 Linears on the CPU with --cpu-linears stored
 (stored_linear, one Linear as one expert; the StoredLinears orders at the end of this file), so no fp32 copy
-of them is made.
+of them is made, and, in the fast order, its GEMMs on bf16 weights (bf16_linear: the head, kept in bf16 as
+stored, wo_a, the router, the bf16 Linears; a widened weight's fp32 products, another order of sums).
 
 tests/test_host_experts.py holds the two together; `python -m inference.tools.bench experts` measures them.
 Measured there (2 cores of an AMD EPYC Zen 5 shared with other jobs, 2 threads; the read bandwidth, a torch
@@ -38,8 +39,9 @@ of that time) + torch's bf16 GEMM (which alone runs 160-275 GMAC/s). Build: 0.2-
 read bandwidth 28-38 GB/s read in turns with the decode), avx2 with scaled tables, two sums per row, the even
 words moved up by a multiply, a decode step's blocks in pairs (the shuffle pipes are the limit: 4.9 cycles a
 block) and huge pages: decode 15.8-17.6 GB/s (45-58 %; median 6.6-8.6 ms per layer); prefill, with tiles of
-4 tokens, 229-253 tokens/s (49-54 GMAC/s); scalar 1.0 GB/s, 9.5 tokens/s. docs/benchmarks.md section 6 has
-the details.
+4 tokens, 229-253 tokens/s (49-54 GMAC/s); scalar 1.0 GB/s, 9.5 tokens/s. Those runs predate the FP8 and
+bf16 tiles and the team of threads; docs/benchmarks.md section 6 has the details and the per-core ceiling,
+section 2.4 the kernel inside the released widths' decode step.
 """
 import ctypes
 import functools
@@ -489,7 +491,8 @@ BF16_KERNEL_ROWS = 64
 class FastStoredLinears(StoredLinears, Fast):
     """The fast order's GEMMs on bf16 weights (the head, held in bf16 as stored: layers.ParallelHead; wo_a,
     the bf16 Linears, the router) from their 2 bytes a weight by the kernel (bf16_linear: the products of the
-    fp32 GEMM, another summation order), for fp32 activations when a call has at most BF16_KERNEL_ROWS rows."""
+    fp32 GEMM, another summation order), for fp32 activations when a call has at most BF16_KERNEL_ROWS
+    rows."""
     name = "fast"
     head_dtype = torch.bfloat16
 
