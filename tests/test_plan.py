@@ -355,7 +355,7 @@ def test_cpu_only_decode_estimate_reads_the_rest_of_the_model(released_host_tabl
     for name, p in model.named_parameters():
         if name.startswith(skip) or ".engram.embed." in name or ".ffn.experts." in name:
             continue
-        stored += p.numel() * (2 if name == "head.weight" else p.element_size())   # the stored form's bf16 head
+        stored += p.numel() * (2 if name == "head.weight" else p.element_size())   # (a bf16 head, stored)
         if p.dtype == torch.float8_e4m3fn:
             read += p.numel() * 4
         elif p.dtype == torch.float4_e2m1fn_x2:
