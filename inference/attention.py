@@ -137,13 +137,13 @@ class Attention(nn.Module):
         the listed rows (its work does not grow with the context), once for all the layers that share the
         cache and the list (handoff.rows); other calls read every row."""
         cache, topk = self.kv_source.attention.compress_cache, handoff.topk
-        b = topk.shape[0]
+        batch = call.batch_rows(topk.shape[0])
         if call.kind != Kind.DECODE:
             keys = call.ratios[self.ratio].keys
-            return cache[:b, :keys], torch.where(topk >= 0, topk + offset, -1), handoff
+            return cache[batch, :keys], torch.where(topk >= 0, topk + offset, -1), handoff
         if handoff.rows is None or handoff.rows[0] is not cache or handoff.rows[1] is not topk:
             k = topk.shape[-1]
-            rows = gather_rows(cache, b, topk[:, 0].long().clamp_min(0))                   # [B, k, hd]
+            rows = gather_rows(cache, batch, topk[:, 0].long().clamp_min(0))               # [B, k, hd]
             at = torch.arange(offset, offset + k, dtype=topk.dtype, device=topk.device)
             handoff = replace(handoff, rows=(cache, topk, rows, torch.where(topk >= 0, at, -1)))
         return handoff.rows[2], handoff.rows[3], handoff
@@ -152,23 +152,24 @@ class Attention(nn.Module):
         """Write the call's window KV into the ring and return the rows its window lists index (`rounded`
         False: a decode step's row, which the packed ring rounds as it stores it)."""
         b, s, _ = kv.shape
+        batch = call.batch_rows(b)
         if call.kind == Kind.PREFILL:                # the call's own rows; the ring keeps the last window
             keep = min(s, self.window)
-            self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
+            self.kv_cache[batch, call.ring_slots[s - keep:]] = kv[:, s - keep:]
             return kv
-        if call.kind == Kind.DECODE:                 # the ring, this position written first
+        if call.kind == Kind.DECODE:                 # the ring, this position written first (each row's slot)
             if rounded:
-                self.kv_cache[:b, call.ring_slots] = kv
+                self.kv_cache[call.ring_key(b)] = kv
             else:
-                self.kv_cache.store_rounding((slice(0, b), call.ring_slots), kv)
-            return self.kv_cache[:b]
+                self.kv_cache.store_rounding(call.ring_key(b), kv)
+            return self.kv_cache[batch]
         # CHUNK or VERIFY (docs/architecture.md §11.6): every row sees, in a decode step's layout, the ring as
         # it was before the call, then the call's own rows. The ring keeps the call's last window positions;
         # a verification (at most window positions) journals what it held, for rollback.
-        rows = torch.cat([self.kv_cache[:b], kv], dim=1)                      # [B, W + S, hd]
+        rows = torch.cat([self.kv_cache[batch], kv], dim=1)                  # [B, W + S, hd]
         self.journal = (call.start, s, rows[:, :self.window].clone()) if call.kind == Kind.VERIFY else None
         keep = min(s, self.window)
-        self.kv_cache[:b, call.ring_slots[s - keep:]] = kv[:, s - keep:]
+        self.kv_cache[batch, call.ring_slots[s - keep:]] = kv[:, s - keep:]
         return rows
 
     def compressed_path(self, x, qr, call: ForwardCall, handoff: Handoff) -> Handoff:
@@ -189,5 +190,5 @@ class Attention(nn.Module):
         if latent is not None:
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[plan.rope_pos], self.nx)
             self.nx.fp4_qdq_e4m3_(latent)                                      # the cache's rounding
-            self.compress_cache[:b, plan.rows] = latent
+            self.compress_cache[plan.cache_key(call.batch_rows(b))] = latent
         return handoff

@@ -38,8 +38,16 @@ class Compressor(nn.Module):
         xf = x.float()
         kv = call.per_position(self.wkv, xf)                         # [B, S, hd] fp32 (verification: a
         score = call.per_position(self.wgate, xf)                    # decode step's shape per position)
+        batch = call.batch_rows(b)
         if call.kind in (Kind.PREFILL, Kind.CHUNK):
-            pooled = self._pool_groups(kv, score, call.start)
+            pooled = self._pool_groups(kv, score, call.start, batch)
+        elif call.per_row:
+            # rows at their own positions: each row's slot, every row's group pooled (a row whose group is
+            # still open gets a latent past what it sees, written again when its group completes)
+            rows = torch.arange(batch.start, batch.stop, device=x.device).view(-1, 1)      # [B, 1]
+            at = rows, call.positions % 2
+            self.kv_state[at], self.score_state[at] = kv, score
+            pooled = self._pool(self.kv_state[batch], self.score_state[batch], 1).unsqueeze(1)   # [B, 1, hd]
         else:
             # DECODE, or a VERIFY processed position by position exactly as decode does (the group slot and
             # whether a group completes depend on the position's parity alone: all a graph's step knows).
@@ -48,26 +56,27 @@ class Compressor(nn.Module):
                 self.journal = (call.start, *state, kv, score)
             pooled = []
             for i in range(s):
-                self._store(call.parity + i, kv[:, i], score[:, i])
+                self._store(call.parity + i, kv[:, i], score[:, i], batch)
                 if (call.parity + i + 1) % 2 == 0:
-                    pooled.append(self._pool(self.kv_state[:b], self.score_state[:b], 1).unsqueeze(1))
+                    pooled.append(self._pool(self.kv_state[batch], self.score_state[batch], 1).unsqueeze(1))
             pooled = torch.cat(pooled, dim=1) if pooled else None  # [B, n, hd]
         if pooled is None:
             return None
         return self.norm(pooled.to(x.dtype))                         # bf16 first, then RMSNorm
 
-    def _pool_groups(self, kv: torch.Tensor, score: torch.Tensor, start: int) -> Optional[torch.Tensor]:
-        """A prefill, or a chunk of one: whole groups pooled at once. A group the last call left open (start
-        odd) starts with the carried tail; an odd last token becomes the new tail. -> [B, n, hd] or None."""
-        b = kv.shape[0]
+    def _pool_groups(self, kv: torch.Tensor, score: torch.Tensor, start: int,
+                     batch: slice) -> Optional[torch.Tensor]:
+        """A prefill, or a chunk of one, of the batch rows `batch`: whole groups pooled at once. A group the
+        last call left open (start odd) starts with the carried tail; an odd last token becomes the new tail.
+        -> [B, n, hd] or None."""
         if start % 2:
-            kv = torch.cat([self.kv_state[:b, :1], kv], dim=1)
-            score = torch.cat([self.score_state[:b, :1], score], dim=1)
+            kv = torch.cat([self.kv_state[batch, :1], kv], dim=1)
+            score = torch.cat([self.score_state[batch, :1], score], dim=1)
         m = kv.shape[1]
         n = m // 2
         if m % 2:
-            self.kv_state[:b, 0] = kv[:, -1]
-            self.score_state[:b, 0] = score[:, -1]
+            self.kv_state[batch, 0] = kv[:, -1]
+            self.score_state[batch, 0] = score[:, -1]
         self.journal = None
         if n == 0:
             return None
@@ -79,10 +88,10 @@ class Compressor(nn.Module):
         """Per-channel softmax pooling over the group's tokens (`dim`)."""
         return self.nx.sum(kv * self.nx.softmax(score, dim), dim)
 
-    def _store(self, pos: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        b = kv.shape[0]
-        self.kv_state[:b, pos % 2] = kv
-        self.score_state[:b, pos % 2] = score
+    def _store(self, pos: int, kv: torch.Tensor, score: torch.Tensor, batch: Optional[slice] = None) -> None:
+        batch = batch or slice(0, kv.shape[0])
+        self.kv_state[batch, pos % 2] = kv
+        self.score_state[batch, pos % 2] = score
 
     def rollback(self, keep_until: int) -> None:
         """After an extend call: the tail as if only positions <= keep_until had been processed."""

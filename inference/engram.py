@@ -194,10 +194,12 @@ class EngramHasher(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, start_pos: int, token_mask: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, rows: Optional[slice] = None) -> torch.Tensor:
         """Rows [B, S, n_engram_layers, (max_ngram - 1) * n_heads] int64, offsets included. `positions` [S]:
-        the call's positions as a device tensor (a CUDA graph's decode step), instead of start_pos."""
+        the call's positions as a device tensor (a CUDA graph's decode step), instead of start_pos; [B, 1]:
+        each row's own. `rows`: the history's batch rows of the call's rows (default the first B)."""
         bsz, seqlen = input_ids.shape
+        rows = rows or slice(0, bsz)
         end = start_pos + seqlen
         if bsz > self.max_batch_size:
             raise EngramError(f"batch of {bsz} rows exceeds max_batch_size = {self.max_batch_size}")
@@ -216,16 +218,23 @@ class EngramHasher(nn.Module):
         # Masked positions may carry any id (image placeholder); look up a harmless 0 there.
         cur = self.token_map[torch.where(token_mask, input_ids, 0)]
         dev = self.ids.device
+        per_row = positions is not None and positions.dim() == 2
         if positions is None:
-            self.ids[:bsz, start_pos:end] = torch.where(token_mask, cur, DEAD)
+            self.ids[rows, start_pos:end] = torch.where(token_mask, cur, DEAD)
             positions = torch.arange(start_pos, end, device=dev)
+        elif per_row:
+            at = torch.arange(rows.start, rows.stop, device=dev).view(-1, 1)
+            self.ids[at, positions] = torch.where(token_mask, cur, DEAD)
         else:
-            self.ids[:bsz, positions] = torch.where(token_mask, cur, DEAD)
+            self.ids[rows, positions] = torch.where(token_mask, cur, DEAD)
 
         # Look-back window: shift s reads position p - s; blocked once it passes the start or a dead token.
         k = self.layout.max_ngram
-        pos = positions[:, None] - torch.arange(k, device=dev)  # [S, k]
-        src = self.ids[:bsz][:, pos.clamp(min=0)]  # [B, S, k]
+        pos = positions[..., None] - torch.arange(k, device=dev)  # [S, k], or [B, 1, k] per row
+        if per_row:
+            src = self.ids[rows].gather(1, pos.clamp(min=0).flatten(1)).view(pos.shape)   # [B, 1, k]
+        else:
+            src = self.ids[rows][:, pos.clamp(min=0)]  # [B, S, k]
         blocked = (pos < 0) | (src == DEAD)
         blocked = blocked.cumsum(dim=-1) > 0  # once blocked, every older slot is blocked too
         tok = torch.where(blocked, self.pad, src)  # [B, S, k]

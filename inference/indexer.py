@@ -35,9 +35,9 @@ def select_candidate_blocks(score: torch.Tensor, compress_lens: torch.Tensor, n_
     nb = -(-t // block)
     padded = torch.nn.functional.pad(score, (0, nb * block - t), value=float("-inf"))
     bscore = padded.unflatten(-1, (nb, block)).amax(-1)             # [B, S, nb]
-    newest = (compress_lens.view(-1, 1) - 1) // block                # [S or 1, 1]
-    forced = torch.arange(nb, device=score.device).view(1, -1) == newest
-    bscore = bscore.masked_fill(forced.unsqueeze(0), float("inf"))
+    newest = (compress_lens.unsqueeze(-1) - 1) // block              # [S, 1], or [B, S, 1] per row
+    forced = torch.arange(nb, device=score.device) == newest
+    bscore = bscore.masked_fill(forced, float("inf"))
     k = min(n_blocks, nb)
     top = topk_indices(bscore, k, deterministic)
     keep = bscore.gather(-1, top) > float("-inf")                    # drop unreachable blocks
@@ -72,6 +72,15 @@ class Indexer(nn.Module):
             register_cache(self, "k_cache", (args.max_batch_size, args.max_seq_len // self.ratio,
                                              args.index_head_dim), "fp4_ue8m0", ctx)
 
+    def publish(self, call: ForwardCall, b: int, complete: Optional[torch.Tensor] = None) -> None:
+        """This layer's keys published: for every row (a call of the official batch layout, first_row None),
+        or for the call's rows of the caches only (rows a scheduler named), of them those whose group
+        `complete` [b] does when given."""
+        if call.first_row is None and complete is None:
+            self.published.publish(self.k_cache)
+        else:
+            self.published.publish(self.k_cache, call.batch_rows(b), complete)
+
     def forward(self, x: torch.Tensor, qr: torch.Tensor, latent: Optional[torch.Tensor], call: ForwardCall,
                 handoff: Handoff) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """-> (the selection [B, S, k] int32 compressed rows, ascending, -1 = none; the candidate source's
@@ -79,24 +88,25 @@ class Indexer(nn.Module):
         b, s, _ = x.shape
         nx, plan, opts = self.nx, call.ratios[self.ratio], self.ctx.opts
         freqs = self.ctx.compress_freqs
+        batch = call.batch_rows(b)
         if self.owns_keys and latent is not None:
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
             apply_rotary_(k[..., -self.rope_dim:], freqs[plan.rope_pos], nx)
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
-            self.k_cache[:b, plan.rows] = k
-            self.published.publish(self.k_cache)
+            self.k_cache[plan.cache_key(batch)] = k
+            self.publish(call, b, None if call.policy.publish else plan.complete)
         elif self.owns_keys and call.policy.publish:
-            self.published.publish(self.k_cache)   # a prefill chunk publishes what the whole prefill would
+            self.publish(call, b)                  # a prefill chunk publishes what the whole prefill would
         q = self.wq_b(qr).unflatten(-1, (self.n_local_heads, self.head_dim))   # [B, S, H_l, ihd]
         apply_rotary_(q[..., -self.rope_dim:], call.rope(freqs), nx)
         nx.fp4_qdq_e8m0_(q)
         t = plan.keys
-        keys = self.published.cache[:b, :t]                          # [B, T, ihd]
+        keys = self.published.keys(batch, t)                         # [B, T, ihd]
         w = self.weights_proj(x) * self.weight_scale                 # [B, S, H_l] bf16
         # [S] groups visible to each query (all t rows at a decode step's int position; a graph's step masks
-        # its bucket's rows past its own)
+        # its bucket's rows past its own); [B, 1] for rows at their own positions
         lens = plan.visible
-        score = nx.index_scores(q, keys, w, self.ctx.par, lens)      # [B, S, T] bf16, every rank's heads
+        score = nx.index_scores(q, keys, w, self.ctx.par, None if call.per_row else lens)   # [B, S, T] bf16
         stale = handoff.published_at_start
         if (call.kind == Kind.VERIFY and self.owns_keys and not call.policy.publish and stale is not None
                 and self.ratio > 1):
@@ -106,7 +116,7 @@ class Indexer(nn.Module):
             stale_score = nx.index_scores(q, stale[:b, :t], w, self.ctx.par, lens)
             incomplete = (call.positions + 1) % self.ratio != 0
             score = torch.where(incomplete.view(1, -1, 1), stale_score, score)
-        score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(1), float("-inf"))
+        score = score.masked_fill(torch.arange(t, device=x.device) >= lens.unsqueeze(-1), float("-inf"))
         candidates = None
         if self.is_candidate_source:
             a = self.ctx.args
@@ -116,5 +126,5 @@ class Indexer(nn.Module):
             score = score.masked_fill(~handoff.candidates, float("-inf"))
         top = topk_indices(score, min(self.topk, t), opts.deterministic_topk, sorted=False)
         top = top.sort(dim=-1).values
-        top = torch.where(top < lens.view(1, -1, 1), top, -1)
+        top = torch.where(top < lens.unsqueeze(-1), top, -1)
         return top.to(torch.int32), candidates                       # [B, S, k]

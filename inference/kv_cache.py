@@ -206,10 +206,11 @@ class PackedCache(nn.Module):
         self.codes[key] = codes
         self.scales[key] = scales
 
-    def rows(self, b: int, index: torch.Tensor) -> torch.Tensor:
-        """cache[i, index[i, j]] for the first b batch rows: index [b, k] (int64, each in range) -> [b, k, D],
-        only those rows decoded (a decode step reads what it attends to, whatever the context)."""
-        return decode(self.fmt, _take(self.codes[:b], index), _take(self.scales[:b], index), self.dtype,
+    def rows(self, batch: slice, index: torch.Tensor) -> torch.Tensor:
+        """cache[i, index[i, j]] for the batch rows `batch` (b of them): index [b, k] (int64, each in range)
+        -> [b, k, D], only those rows decoded (a decode step reads what it attends to, whatever the
+        context)."""
+        return decode(self.fmt, _take(self.codes[batch], index), _take(self.scales[batch], index), self.dtype,
                       self.tables)
 
 
@@ -218,12 +219,12 @@ def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.gather(1, index.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
 
 
-def gather_rows(cache, b: int, index: torch.Tensor) -> torch.Tensor:
-    """Rows index [b, k] (int64, in range) of the first b batch rows of a cache (a PackedCache, or a plain
-    [B, T, D] buffer) -> [b, k, D]."""
+def gather_rows(cache, batch: slice, index: torch.Tensor) -> torch.Tensor:
+    """Rows index [b, k] (int64, in range) of the batch rows `batch` (b of them) of a cache (a PackedCache,
+    or a plain [B, T, D] buffer) -> [b, k, D]."""
     if isinstance(cache, PackedCache):
-        return cache.rows(b, index)
-    return _take(cache[:b], index)
+        return cache.rows(batch, index)
+    return _take(cache[batch], index)
 
 
 def register_cache(owner: nn.Module, name: str, shape, fmt: str, ctx) -> None:

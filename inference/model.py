@@ -140,11 +140,15 @@ class Transformer(nn.Module):
                                      f"prefill chunk of positions {start_pos}..{start_pos + h.shape[1] - 1}")
                 h[b, first:first + span.shape[0]] = span
 
-    def check_inputs(self, input_ids: torch.Tensor, start_pos: int, verify: bool = False) -> None:
+    def check_inputs(self, input_ids: torch.Tensor, start_pos: int, verify: bool = False,
+                     first_row: Optional[int] = None) -> None:
         b, s = input_ids.shape
         a = self.args
         if b > a.max_batch_size:
             raise ValueError(f"batch of {b} exceeds max_batch_size={a.max_batch_size}")
+        if first_row is not None and not 0 <= first_row <= a.max_batch_size - b:
+            raise ValueError(f"batch rows {first_row}..{first_row + b - 1} are outside the caches' "
+                             f"max_batch_size={a.max_batch_size} rows")
         if start_pos + s > a.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s - 1} exceed max_seq_len={a.max_seq_len}")
         if verify and s > a.window_size:
@@ -155,21 +159,33 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, start: int = 0, images=None,
-                token_types: Optional[torch.Tensor] = None, all_logits: bool = False) -> "Output":
+                token_types: Optional[torch.Tensor] = None, all_logits: bool = False,
+                first_row: Optional[int] = None) -> "Output":
         """A prompt's positions [start, start + S) of input_ids [B, S]: its first call (start 0), or its next
         chunk, of any length, computing what one call over the whole prompt computes (the same bits in
         invariant numerics). Image spans (`images`, with `token_types`) may sit in any chunk, each inside
-        one. -> Output: logits of the last position [B, V] (all of them [B, S, V] with all_logits)."""
-        self.check_inputs(input_ids, start)
-        call = ForwardCall.prefill(start, input_ids.shape[1], self.args, self.ctx.device)
+        one. `first_row`: the caches' batch row of input_ids' first row, the other rows keeping their state
+        (a scheduler's batch); None: the rows are the batch, from row 0. -> Output: logits of the last
+        position [B, V] (all of them [B, S, V] with all_logits)."""
+        self.check_inputs(input_ids, start, first_row=first_row)
+        call = ForwardCall.prefill(start, input_ids.shape[1], self.args, self.ctx.device, first_row)
         return self._run(input_ids, call, images, token_types, all_logits)
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, pos: Union[int, DecodeStep]) -> "Output":
+    def decode(self, input_ids: torch.Tensor, pos: Union[int, torch.Tensor, DecodeStep]) -> "Output":
         """One decode step of every row: input_ids [B, 1] at position `pos`, an int, or a DecodeStep (the
         position a device tensor: the step a CUDA graph captures and replays at every position of a length
-        bucket, engine/cuda_graph.py). -> Output: logits [B, V]."""
-        if isinstance(pos, DecodeStep):
+        bucket, engine/cuda_graph.py); or each row at its own position: pos [B] int64 on the model's device
+        (DecodeStep.rows: the caches' rows from its first_row on). -> Output: logits [B, V]."""
+        if torch.is_tensor(pos):
+            pos = DecodeStep.rows(pos)
+        if isinstance(pos, DecodeStep) and pos.parity is None:
+            self.check_inputs(input_ids, 0, first_row=pos.first_row)
+            if pos.pos.shape[0] != input_ids.shape[0] or pos.length > self.args.max_seq_len:
+                raise ValueError(f"positions per row: {pos.pos.shape[0]} positions for {input_ids.shape[0]} "
+                                 f"rows, a length of {pos.length} (max_seq_len={self.args.max_seq_len})")
+            call = ForwardCall.graph_step(pos, self.args, self.ctx.always_publish)
+        elif isinstance(pos, DecodeStep):
             call = ForwardCall.graph_step(pos, self.args, self.ctx.always_publish)
         else:
             self.check_inputs(input_ids, pos)
@@ -200,7 +216,8 @@ class Transformer(nn.Module):
             if self.engram_hasher is None:
                 raise RuntimeError("Engram layers need the tokenizer: build the model with tokenizer=...")
             at = call.positions if call.start is None else None       # a graph's step: a device position
-            hashes = self.engram_hasher(input_ids, call.start or 0, engram_mask, at)  # [B, S, n_e, cols]
+            hashes = self.engram_hasher(input_ids, call.start or 0, engram_mask, at,
+                                        call.batch_rows(b))                         # [B, S, n_e, cols]
         h = self.embed(input_ids)                                                   # [B, S, D]
         if images is not None and any(images):
             self.merge_images(h, images, token_types, call.start)

@@ -31,11 +31,15 @@ def precompute_freqs_cis(rope_dim: int, max_seq_len: int, base: float, original_
 
 
 def apply_rotary_(x: torch.Tensor, freqs_cis: torch.Tensor, nx, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last rope_dim dims of x [B, S, ..., rope_dim] in place; freqs_cis: S rows of the table.
+    """Rotate the last rope_dim dims of x [B, S, ..., rope_dim] in place; freqs_cis: S rows of the table
+    [S, ...], or each row's own [B, S, ...] (rows at their own positions). A table row is [n] complex or
+    [n, 2] real (the numerics' layout).
 
     Pairs (2i, 2i+1) are complex numbers multiplied by e^{+-j theta} in fp32, rounded back to x's dtype.
     """
     b, s = x.shape[:2]
-    f = freqs_cis.view(1, s, *([1] * (x.dim() - 3)), *freqs_cis.shape[1:])
+    lead = freqs_cis.dim() - (1 if freqs_cis.is_complex() else 2)          # 1: [S, ...]; 2: [B, S, ...]
+    tail = freqs_cis.shape[lead:]
+    f = freqs_cis.view(b if lead == 2 else 1, s, *([1] * (x.dim() - 3)), *tail)
     x.copy_(nx.rotate(x.float().unflatten(-1, (-1, 2)), f, inverse).flatten(-2))
     return x

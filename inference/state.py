@@ -2,7 +2,7 @@
 tables), the descriptor of the call it is part of (ForwardCall), what its layers hand on to the layers after
 them within the call (Handoff), and the index keys published across calls (PublishedKeys)."""
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 import torch
@@ -16,16 +16,54 @@ from .rope import precompute_freqs_cis
 class PublishedKeys:
     """The index-key cache an index-key owner last published: what every indexer scores against, kept on
     purpose across calls (the official code reads a stale one, docs/numerics.md §14.1). State of the model,
-    like the caches: the model makes one and gives it to each indexer when it is built."""
+    like the caches: the model makes one and gives it to each indexer when it is built.
+
+    In a batch a scheduler runs (rows at their own positions, prompts prefilled into named rows) an owner
+    publishes for some rows only: the rows of its call, of them those whose group completed. `over` lists
+    those publications on top of `cache`, newest last, each (batch rows, complete [b] bool or None: all of
+    them, cache); a publication for all the rows of an earlier one replaces it."""
 
     def __init__(self):
         self.cache = None
+        self.over = []
 
-    def publish(self, cache) -> None:
-        self.cache = cache
+    def publish(self, cache, rows: Optional[slice] = None, complete: Optional[torch.Tensor] = None) -> None:
+        """`cache` published for every row, or for the batch rows `rows` (those of them whose `complete` is
+        True, when given)."""
+        if rows is None:
+            self.cache, self.over = cache, []
+        elif complete is None:
+            self.over = [e for e in self.over if not _within(e[0], rows)] + [(rows, None, cache)]
+        elif self.over and self.over[-1][1] is complete:       # the same rows again: the newest wins
+            self.over[-1] = (rows, complete, cache)
+        else:
+            self.over.append((rows, complete, cache))
+
+    def keys(self, rows: slice, t: int) -> torch.Tensor:
+        """The published keys of the batch rows `rows`, their first t entries [b, t, D]: per row, from the
+        cache last published for it."""
+        base = self.cache if self.cache is not None else self.over[0][2]    # no row reads what none published
+        keys = base[rows, :t]
+        for at, complete, cache in self.over:
+            if complete is None and _within(rows, at):
+                keys = cache[rows, :t]
+                continue
+            first, last = max(at.start, rows.start), min(at.stop, rows.stop)
+            if first >= last:
+                continue
+            mask = torch.zeros(rows.stop - rows.start, dtype=torch.bool, device=keys.device)
+            part = slice(first - rows.start, last - rows.start)
+            mask[part] = True if complete is None else complete[first - at.start:last - at.start]
+            keys = torch.where(mask.view(-1, 1, 1), cache[rows, :t], keys)
+        return keys
 
     def reset(self) -> None:
-        self.cache = None
+        self.cache, self.over = None, []
+
+
+def _within(a: slice, b: slice) -> bool:
+    """Whether the rows of slice a lie within those of slice b."""
+    return b.start <= a.start and a.stop <= b.stop
 
 
 @dataclass(frozen=True)
@@ -48,13 +86,28 @@ class Handoff:
 @dataclass
 class DecodeStep:
     """A decode step whose position is a device tensor, so that one CUDA graph replays it at every position of
-    a length bucket (inference/engine/cuda_graph.py). `pos`: [] int64 on the model's device. `parity`: pos %
-    2, known when the graph is captured (a ratio-2 group completes at odd positions, and what a layer then
-    writes and publishes differs: one graph per parity). `length`: the bucket, a multiple of 2 and > pos: a
-    step reads length // ratio compressed rows, those past its position masked out of the index scores."""
+    a length bucket (inference/engine/cuda_graph.py). `pos`: [] int64 on the model's device, one position
+    for every row, or [B]: each row at its own position. `parity`: pos % 2 of a shared position, known when
+    the graph is captured (a ratio-2 group completes at odd positions, and what a layer then writes and
+    publishes differs: one graph per parity); None for positions per row, where every row computes its
+    group's latent and only the rows whose group completes make it visible. `length`: the bucket, a
+    multiple of 2 and > every pos: a step reads length // ratio compressed rows, those past a row's position
+    masked out of its index scores. `first_row`: the caches' batch row of the step's first row (positions
+    per row: the rows of a scheduler's batch that run the step)."""
     pos: torch.Tensor
-    parity: int
+    parity: Optional[int]
     length: int
+    first_row: int = 0
+
+    @staticmethod
+    def rows(pos: torch.Tensor, length: Optional[int] = None, first_row: int = 0) -> "DecodeStep":
+        """Each row at its own position: pos [B] int64 on the model's device, the caches' rows [first_row,
+        first_row + B); `length` (the bucket) by default the smallest even number past the largest position
+        (read from the device: a host sync)."""
+        if length is None:
+            top = int(pos.max()) + 1
+            length = top + top % 2
+        return DecodeStep(pos.view(-1), None, length, first_row)
 
 
 class Kind(enum.Enum):
@@ -70,15 +123,29 @@ class Kind(enum.Enum):
 class RatioPlan:
     """For the layers of compression ratio r: `keys` compressed rows readable (end // r; a graph's bucket
     // r), `visible` [S] the rows each query may see ((position + 1) // r), and where the call's new
-    compressed entries go: their cache `rows` [n] and the RoPE position of each (its group's first token)."""
+    compressed entries go: their cache `rows` [n] and the RoPE position of each (its group's first token).
+
+    Positions per row: `visible` [B, 1], `rows` and `rope_pos` [B, 1] (each row's current group, written
+    whether or not it completes: an incomplete group's row is past what the row sees, and is written again
+    when it completes), `complete` [B] bool: the rows whose group completes (whose keys an owner publishes;
+    None at ratio 1: every row)."""
     keys: int
     visible: torch.Tensor
     rows: torch.Tensor
     rope_pos: torch.Tensor
+    complete: Optional[torch.Tensor] = None
+    per_row: bool = False
 
     @property
     def new(self) -> int:
-        return self.rows.shape[0]
+        return self.rows.shape[-1]
+
+    def cache_key(self, batch: slice):
+        """Where the call's new entries go in a compressed cache [max_batch, T, D]: its rows `rows` of the
+        batch rows `batch`, or each row's own row (positions per row)."""
+        if not self.per_row:
+            return batch, self.rows
+        return torch.arange(batch.start, batch.stop, device=self.rows.device).view(-1, 1), self.rows
 
 
 def window_prefill_idx(s: int, window: int, device=None) -> torch.Tensor:
@@ -124,30 +191,60 @@ class ForwardCall:
     ratios     {r: RatioPlan} for each compression ratio of the model.
     ring_slots [S] the window ring's slot of each position (position mod window).
     policy     Policy (below).
-    rope_rows  a RoPE table's rows at the call's positions, looked up once per table (rope())."""
+    first_row  None: the official layout, the call's b rows are the batch, cache rows [0, b); an int: the
+               cache row of the call's first row, in a batch a scheduler runs (a prompt prefilled into the
+               rows it names while the others keep their state; a decode step of its rows), the index keys
+               then published for the call's rows only.
+    rope_rows  a RoPE table's rows at the call's positions, looked up once per table (rope()).
+
+    Positions per row (a decode step of rows at their own positions, DecodeStep.rows): start None, parity
+    None, positions and ring_slots [B, 1], window [B, 1, W], the ratios' plans per row (RatioPlan)."""
     kind: Kind
     start: Optional[int]
     length: int
     positions: torch.Tensor
-    parity: int
+    parity: Optional[int]
     window: torch.Tensor
     ratios: Dict[int, RatioPlan]
     ring_slots: torch.Tensor
     policy: "Policy"
+    first_row: Optional[int] = None
     rope_rows: Dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def rope(self, table: torch.Tensor) -> torch.Tensor:
-        """table[positions]: the rotations of the call's positions, looked up once per table and call."""
+        """table[positions]: the rotations of the call's positions ([S, ...], or [B, 1, ...] per row), looked
+        up once per table and call."""
         rows = self.rope_rows.get(id(table))
         if rows is None:
             rows = self.rope_rows[id(table)] = table[self.positions]
         return rows
 
+    @property
+    def per_row(self) -> bool:
+        """Whether every row is at its own position (positions [B, 1])."""
+        return self.positions.dim() == 2
+
+    def batch_rows(self, b: int) -> slice:
+        """The caches' batch rows of the call's b rows."""
+        first = self.first_row or 0
+        return slice(first, first + b)
+
+    def ring_key(self, b: int):
+        """Where a decode step's window row goes in a ring [max_batch, W, D]: each row's slot."""
+        rows = self.batch_rows(b)
+        if not self.per_row:
+            return rows, self.ring_slots
+        first = torch.arange(rows.start, rows.stop, device=self.ring_slots.device).view(-1, 1)     # [B, 1]
+        return first, self.ring_slots
+
     @staticmethod
-    def prefill(start: int, s: int, args: ModelArgs, device) -> "ForwardCall":
-        """A prompt's positions [start, start + s): its first call (start 0) or its next chunk; its index-key
-        owners publish as one call over the whole prompt would."""
-        return ForwardCall._positions(start, s, args, device, s > 1, Policy(publish=True, one_by_one=False))
+    def prefill(start: int, s: int, args: ModelArgs, device,
+                first_row: Optional[int] = None) -> "ForwardCall":
+        """A prompt's positions [start, start + s): its first call (start 0) or its next chunk (into the
+        caches' batch rows from `first_row` on, when given); its index-key owners publish as one call over the
+        whole prompt would."""
+        call = ForwardCall._positions(start, s, args, device, s > 1, Policy(publish=True, one_by_one=False))
+        return call if first_row is None else replace(call, first_row=first_row)
 
     @staticmethod
     def decode(pos: int, args: ModelArgs, device, always_publish: bool = False) -> "ForwardCall":
@@ -187,6 +284,8 @@ class ForwardCall:
     @staticmethod
     def graph_step(step: DecodeStep, args: ModelArgs, always_publish: bool = False) -> "ForwardCall":
         """A decode step at the tensor position step.pos, reading the bucket step.length (no int position)."""
+        if step.parity is None:
+            return ForwardCall._rows_step(step, args, always_publish)
         pos = step.pos.view(1)
         ratios = {}
         for r in sorted({r for r in args.compress_ratios if r > 0}):
@@ -197,6 +296,21 @@ class ForwardCall:
         window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(0)
         return ForwardCall(Kind.DECODE, None, 1, pos, step.parity, window, ratios, pos % args.window_size,
                            Policy(always_publish, one_by_one=False))
+
+    @staticmethod
+    def _rows_step(step: DecodeStep, args: ModelArgs, always_publish: bool) -> "ForwardCall":
+        """A decode step of rows at their own positions step.pos [B]: per-row RoPE rows, ring slots, window
+        lists and compressed-row plans; one call whatever the positions' parities (per-row masks, no
+        per-row loop)."""
+        pos = step.pos.view(-1, 1)                                             # [B, 1]
+        ratios = {}
+        for r in sorted({r for r in args.compress_ratios if r > 0}):
+            rows = pos // r                                                    # [B, 1] each row's group
+            complete = ((pos + 1) % r == 0).view(-1) if r > 1 else None      # [B]; ratio 1: every row
+            ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r, complete, per_row=True)
+        window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(1)   # [B, 1, W]
+        return ForwardCall(Kind.DECODE, None, 1, pos, None, window, ratios, pos % args.window_size,
+                           Policy(always_publish, one_by_one=False), first_row=step.first_row)
 
     @staticmethod
     def draft(start: int, s: int, device) -> "ForwardCall":
