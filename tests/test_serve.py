@@ -3,7 +3,8 @@ conformance fixture's model (W = 1) and a tiny model converted for two ranks (W 
 
 Checked against the project's own outputs: a streamed greedy chat reply equals generate.py's reply to the same
 case; /v1/completions' echoed prompt log-probs equal the log-softmax of `--score --all-prefill-logits`; 16
-concurrent clients get their one-at-a-time replies (the invariant order); a client gone mid-stream leaves the
+clients arriving at random times with prompts and replies of mixed lengths get their one-at-a-time replies
+(the invariant order; and at W = 2); a client gone mid-stream leaves the
 server serving; each bad input gets its status and message; SIGTERM drains and ends every rank."""
 import asyncio
 import json
@@ -202,25 +203,55 @@ def test_echoed_prompt_log_probs_are_the_scored_log_softmax(server, fixture_dir,
     assert len(r1.choices[0].logprobs.tokens) == len(ids) + 1
 
 
-def test_sixteen_concurrent_clients_get_their_one_at_a_time_replies(server):
-    client = server.client()
-    prompts = [f"Count to {n} in words{'!' * (n % 5)}" for n in range(16)]
+def mixed_requests(n: int, longest: int, seed: int, most: int = 12):
+    """n (prompt ids, max_tokens): prompts of 5 to `longest` tokens, replies of 1 to `most` tokens."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(10, 1000) for _ in range(rng.randint(5, longest))]
+        out.append((ids, rng.randint(1, most)))
+    return out
 
-    def ask(p):
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
-        return r.choices[0].text, r.choices[0].finish_reason
 
-    alone = [ask(p) for p in prompts[:4]]
-    results = [None] * 16
-    threads = [threading.Thread(target=lambda n=n: results.__setitem__(n,
-                                                                       ask(prompts[n]))) for n in range(16)]
+def ask_ids(client, ids, max_tokens, seed=None):
+    """A completion of token ids: (text, finish_reason, each token's log-prob); sampled with a seed when
+    given (temperature 0.7), else greedy."""
+    r = client.completions.create(model=MODEL, prompt=[ids], max_tokens=max_tokens, logprobs=0,
+                                  temperature=0 if seed is None else 0.7, seed=seed)
+    c = r.choices[0]
+    return c.text, c.finish_reason, c.logprobs.token_logprobs
+
+
+def arriving_at_random(client, requests, seed: int):
+    """Every request from a thread of its own, sent after a random wait of up to 1.5 s (they join the running
+    batch at any step, beside any neighbours) -> their replies in order."""
+    import random
+    waits = [random.Random(seed + k).uniform(0, 1.5) for k in range(len(requests))]
+    results = [None] * len(requests)
+
+    def one(k):
+        time.sleep(waits[k])
+        ids, n, s = requests[k]
+        results[k] = ask_ids(client, ids, n, s)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(requests))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def test_sixteen_clients_arriving_at_random_get_their_replies_alone(server):
+    # the invariant order: each reply's tokens and log-probs are the bits of its run alone, whatever joined
+    # or left the running batch (8 rows) while it ran; some sampled with a seed of their own
+    client = server.client()
+    requests = [(ids, n, 100 + k if k % 4 == 3 else None)
+                for k, (ids, n) in enumerate(mixed_requests(16, 60, seed=1, most=10))]
+    results = arriving_at_random(client, requests, seed=2)
     assert all(r is not None for r in results)
-    assert results[:4] == alone
-    assert results[4:] == [ask(p) for p in prompts[4:]]
+    assert results == [ask_ids(client, ids, n, s) for ids, n, s in requests]
 
 
 def test_a_client_gone_mid_stream_leaves_the_server_serving(server):
@@ -310,9 +341,10 @@ def test_a_full_queue_answers_503_with_retry_after():
         q.submit([job()])
     response = _error(e.value)
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
-    assert [len(q.next_batch(0.1)), len(q.next_batch(0.1))] == [1, 1]     # different Sampling: apart
+    # the scheduler takes as many as it has free rows, whatever their sampling (each row samples its own)
+    assert [len(q.take(1, 0.0)), len(q.take(8, 0.0)), len(q.take(8, 0.0))] == [1, 1, 0]
     q.close()
-    assert q.next_batch(0.1) is None
+    assert q.take(8, 0.1) is None
 
 
 class Tokens:
@@ -374,11 +406,16 @@ def tiny_mp2(tmp_path_factory):
 
 def test_two_ranks_serve_generate_py_s_reply_and_stop_together(tiny_mp2, tmp_path):
     ckpt, config = tiny_mp2["dirs"][2], tiny_mp2["config"]
-    record = generate_reply(ckpt, config, tmp_path, nproc=2)
-    served = Served(ckpt, config, nproc=2)
+    flags = ["--numerics", "invariant", "--max-batch-size", "4"]
+    record = generate_reply(ckpt, config, tmp_path, flags, nproc=2)
+    served = Served(ckpt, config, flags, nproc=2)
     in_flight, started = {}, threading.Event()
     try:
         text, tokens, finish, used = streamed_reply(served.client())
+        # requests joining and leaving the running batch on both ranks: each one's run alone
+        requests = [(ids, n, None) for ids, n in mixed_requests(3, 40, seed=3, most=6)]
+        joined = arriving_at_random(served.client(), requests, seed=4)
+        solo = [ask_ids(served.client(), ids, n) for ids, n, _ in requests]
         r = served.client().completions.create(model=MODEL, prompt=[[0, 5, 9, 200]], max_tokens=0, echo=True,
                                                logprobs=0)
         # SIGTERM while a reply streams: the reply is finished, then every rank stops
@@ -390,6 +427,7 @@ def test_two_ranks_serve_generate_py_s_reply_and_stop_together(tiny_mp2, tmp_pat
         code, out = served.stop()
     late.join(120)
     assert text == record["completion"] and used.completion_tokens == record["completion_tokens"] == NEW
+    assert joined == solo
     assert len(r.choices[0].logprobs.token_logprobs) == 4
     assert code == 0 and "server stopped" in out, out
     assert in_flight["reply"][2] == "length" and in_flight["reply"][3].completion_tokens == 80

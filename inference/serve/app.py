@@ -191,8 +191,13 @@ async def _collect(q: asyncio.Queue, request: HTTPRequest, jobs: List[Job]):
         if ev.logprob is not None:
             entries.append(ev.logprob)
     if ev.finish_reason == "error":
-        raise P.APIError(500, f"the model failed: {ev.text}")
+        raise P.APIError(ev.status, _failed(ev))
     return entries, ev
+
+
+def _failed(ev) -> str:
+    """An error event's message: the request's own problem (400) as it is, else the model's failure."""
+    return ev.text if ev.status == 400 else f"the model failed: {ev.text}"
 
 
 def _chat_logprob(server: Server, e: Dict[str, Any]) -> Dict[str, Any]:
@@ -374,7 +379,7 @@ async def _chat_stream(server, request, req, job, q, rid, created, include_usage
             if delta or lp:
                 yield chunk(delta, logprobs=lp)
         if ev.finish_reason == "error":
-            yield P.sse(P.APIError(500, f"the model failed: {ev.text}").body())
+            yield P.sse(P.APIError(ev.status, _failed(ev)).body())
             return
         _, calls, finish = chat_message(ev.text, ev.finish_reason, req)
         if calls:
@@ -412,7 +417,7 @@ async def _completion_stream(server, request, reqs, jobs, queues, rid, created, 
                 if ev.text or lp:
                     yield chunk(n, ev.text, logprobs=lp)
             if ev.finish_reason == "error":
-                yield P.sse(P.APIError(500, f"the model failed: {ev.text}").body())
+                yield P.sse(P.APIError(ev.status, _failed(ev)).body())
                 return
             used += ev.completion_tokens
             yield chunk(n, "", _finish(ev.finish_reason, None))

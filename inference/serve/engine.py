@@ -1,29 +1,29 @@
-"""The server's model side: requests queued by the HTTP thread, taken as batches by rank 0 and run on every
-rank, each generated token handed back to its request while the batch runs.
+"""The server's model side: requests queued by the HTTP thread, run on every rank by the scheduler
+(inference/engine/scheduler.py: continuous batching), each generated token handed back to its request as it
+is made.
 
     HTTP thread (rank 0)           Queue                 serve_loop (every rank)
-    Job(request, sink) ---------> submit() ----------> next_batch() on rank 0, broadcast to the others
-                                                         run_batch(): prefill, decode steps, sampling
+    Job(request, sink) ---------> submit() ----------> take() on rank 0: the jobs for the free rows;
+                                                         what joins and what leaves broadcast to the others
+                                                         Scheduler.step(): prefill chunks, one decode step
     sink(event) <------------------------------------- rank 0: each row's tokens, text, log-probs, end
 
-A batch is the waiting jobs with the same Sampling (one sampler and RNG stream), at most --max-batch-size;
-a job with images runs alone (as generate.py runs them). Prompts are right-padded in one buffer as the
-generate loop does (inference/engine/generation.py): the prefill runs to the shortest prompt, longer rows are
-teacher-forced. Each row ends on its own (EOS, its max_tokens, a stop string, its client gone); the batch ends
-when every row has, decided on rank 0 and made every rank's after each step (chat.StopFlag).
+Every request has a cache row of its own from its prefill to its end: it joins the running batch at the next
+step and leaves it when it ends (EOS, its max_tokens, a stop string, its client gone), its row free at once.
+Requests with different sampling settings share a step (each row sampled with its own). A log-likelihood
+request (max_tokens 0) is a prefill only. A request that fails on its own (its prompt, its images, memory for
+its prefill) gets an error and the others go on; a failure of the step itself ends the server.
 """
 import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..engine.batch import prompt_buffer
-from ..engine.chat import Detokenizer, StopFlag
-from ..engine.prefill import prefill
-from ..sampling import sample
+from ..engine.chat import Detokenizer
+from ..engine.scheduler import Scheduler, Sequence
 from .protocol import APIError, Request
 
 GATHER_S = 0.02       # a batch waits this long for the requests sent with its first in any case
@@ -42,6 +42,7 @@ class Event:
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
     prompt_logprobs: Optional[List[Optional[Dict[str, Any]]]] = None
+    status: int = 500                   # an error's HTTP status: 400 a request's own input, 500 the model
 
 
 @dataclass
@@ -55,9 +56,8 @@ class Job:
 
 class Queue:
     """Rank 0's bounded queue of jobs. submit() refuses past `capacity` waiting jobs (the server answers 503
-    with Retry-After); next_batch() takes the oldest job and those that can share its batch, once the requests
-    sent with it are queued too (GATHER_S, then those `arriving()`: being read and tokenized) for at most
-    `gather_s`."""
+    with Retry-After); take() hands the serve loop the oldest jobs, as many as it has free rows, waiting for
+    them only while nothing runs."""
 
     def __init__(self, capacity: int, max_batch: int, gather_s: float = 0.1):
         self.capacity, self.max_batch, self.gather_s = capacity, max_batch, gather_s
@@ -99,31 +99,25 @@ class Queue:
         with self.cond:
             return len(self.jobs)
 
-    def next_batch(self, timeout: float) -> Optional[List[Job]]:
-        """The next batch ([] after `timeout` seconds idle: a heartbeat), or None once closed and empty."""
+    def take(self, n: int, timeout: float) -> Optional[List[Job]]:
+        """At most n waiting jobs, oldest first, without waiting when `timeout` is 0 (a batch is running);
+        else once one arrives (and those sent with it: GATHER_S, then those `arriving()`, for at most
+        gather_s) or [] after `timeout` seconds idle (a heartbeat). None once closed and empty."""
         with self.cond:
-            if not self.jobs and not self.closed:
+            if not self.jobs and not self.closed and timeout > 0:
                 self.cond.wait(timeout)
+                if self.jobs:                           # requests sent together arrive some ms apart
+                    start = time.monotonic()
+                    settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
+                    while not self.closed and len(self.jobs) < min(n, self.max_batch) and (
+                            time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
+                        until = settle if time.monotonic() < settle else deadline
+                        self.cond.wait(max(0.0, until - time.monotonic()))
             if not self.jobs:
                 return None if self.closed else []
-        with self.cond:                             # requests sent together arrive some ms apart
-            start = time.monotonic()
-            settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
-            while not self.closed and len(self.jobs) < self.max_batch and (
-                    time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
-                until = settle if time.monotonic() < settle else deadline
-                self.cond.wait(max(0.0, until - time.monotonic()))
             self.jobs = [j for j in self.jobs if not j.cancelled.is_set()]     # their clients went away
-            if not self.jobs:
-                return []
-            first = self.jobs[0]
-            if first.request.images:
-                batch = [first]
-            else:
-                batch = [j for j in self.jobs if j.request.sampling == first.request.sampling
-                         and not j.request.images][:self.max_batch]
-            self.jobs = [j for j in self.jobs if j not in batch]
-            return batch
+            taken, self.jobs = self.jobs[:n], self.jobs[n:]
+            return taken
 
 
 def _top(logp: torch.Tensor, token: int, k: int, decode) -> Dict[str, Any]:
@@ -144,6 +138,7 @@ class Row:
         self.text_of = Detokenizer(tokenizer)
         self.text, self.sent, self.generated = "", 0, 0
         self.finish: Optional[str] = None
+        self.ended = False                          # its "done" event sent
         self.prompt_logprobs: List[Optional[Dict[str, Any]]] = [None]      # the first token has none
 
     def _held(self) -> int:
@@ -171,102 +166,107 @@ class Row:
 
     def end(self, reason: Optional[str] = None) -> None:
         self.finish = self.finish or reason
+        self.ended = True
         if not self.job.cancelled.is_set():
             self.job.sink(Event("done", text=self.text, finish_reason=self.finish,
                                 completion_tokens=self.generated,
                                 prompt_logprobs=self.prompt_logprobs if self.req.echo_logprobs else None))
 
 
-@torch.inference_mode()
-def run_batch(runner, requests: List[Request], rows: Optional[List[Row]], stop: StopFlag) -> None:
-    """One batch on every rank. `rows`: rank 0's bookkeeping (None elsewhere). The calls are those of the
-    generate loop (prefill to the shortest prompt, then decode steps, replayed from CUDA graphs when the run
-    has them); the next token is sampled here from the step's fp32 logits with the batch's Sampling."""
-    model, graphs, chunk = runner.model, runner.graphs, runner.budget.prefill_chunk
-    device = next(model.parameters()).device
-    lens = [len(r.ids) for r in requests]
-    total = max(n + r.max_tokens for n, r in zip(lens, requests))
-    shortest = min(lens)
-    first = requests[0]
-    types = [r.token_types for r in requests] if first.images else None
-    tokens, token_types = prompt_buffer([r.ids for r in requests], total, device, types)
-    in_prompt = tokens != -1
-    s = first.sampling
-    gen = None if s.seed is None else torch.Generator(device=device).manual_seed(s.seed)
-    echo = any(r.echo_logprobs for r in requests)
-    want = max((r.logprobs or 0 for r in requests), default=0)
-    want_any = echo or any(r.logprobs is not None for r in requests)
-    decode = runner.tokenizer.decode if rows is not None else None
+def _plan(queue_: Queue, sched: Scheduler, ending: List[Tuple[int, str]]):
+    """Rank 0: what changes before the next step: ([(sequence number, reason)] ending, [Request] joining),
+    or None once the queue is closed and nothing runs (the loop's end)."""
+    busy = not sched.idle()
+    jobs = queue_.take(sched.free_rows(), 0.0 if busy else HEARTBEAT_S)
+    if jobs is None and not busy:
+        return None
+    return ending, jobs or []
+
+
+def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
+    """Every rank until rank 0's queue is closed and nothing runs. Each turn rank 0 says what leaves (rows it
+    ended: a stop string, a client gone) and what joins (queued requests, as many as there are free rows),
+    broadcast to every rank; every rank applies it to its scheduler and runs one step. Rank 0 keeps the rows'
+    bookkeeping and hands their events to the jobs. Every rank's scheduler sees the same inputs, so every
+    decision it makes (admissions, ends by EOS or length) is every rank's."""
+    model = runner.model
+    sched = Scheduler(model, model.args.max_batch_size, eos_id, runner.budget.prefill_chunk)
+    decode = runner.tokenizer.decode if par.rank == 0 else None
+    running: Dict[int, Tuple[Sequence, Optional[Row]]] = {}        # sequence number -> (sequence, row)
+    ending: List[Tuple[int, str]] = []
+    count = 0
 
     def text_of(t):
         return decode([t], skip_special_tokens=False)
 
-    started = time.perf_counter()
-    _, logits, _ = prefill(model, tokens[:, :shortest], token_types[:, :shortest] if first.images else None,
-                           first.images, all_logits=echo, chunk=chunk, temperature=0.0)
-    runner.stats.add("prefill", len(requests) * shortest, time.perf_counter() - started)
-    started = time.perf_counter()
-    if echo:                                         # [B, P, V]: position i predicts token i + 1
-        if rows is not None:
-            logp = torch.log_softmax(logits[:, :-1].float(), -1)
-            for b, row in enumerate(rows):
-                if row.req.echo_logprobs:
-                    row.prompt_logprobs += [_top(logp[b, i], int(tokens[b, i + 1]), want, text_of)
-                                            for i in range(shortest - 1)]
-        logits = logits[:, -1]
-    pos = shortest
-    while pos < total:
-        chosen = sample(logits, s.temperature, model.nx, gen, s.top_p)         # [B]
-        ids = torch.where(in_prompt[:, pos], tokens[:, pos], chosen)
-        tokens[:, pos] = ids
-        if rows is not None:
-            _account(rows, pos, lens, ids.tolist(), logits if want_any else None, want, text_of)
-        if pos + 1 >= total or stop():
-            break
-        step = ids[:, None]
-        logits = graphs(step, pos)[1] if graphs is not None else model.decode(step, pos).logits
-        pos += 1
-    runner.stats.add("decode", len(requests) * (pos - shortest), time.perf_counter() - started)
-    for row in rows or []:
-        row.end("length")
-
-
-def _account(rows: List[Row], pos: int, lens: List[int], ids: List[int], logits, want: int, text_of):
-    """Rank 0, after the token at `pos` was chosen: a prompt row records its prompt token's log-prob (echo),
-    a generating row its new token."""
-    logp = torch.log_softmax(logits.float(), -1) if logits is not None else None
-    for b, row in enumerate(rows):
-        if pos < lens[b]:                           # still in its prompt (teacher-forced)
-            if row.req.echo_logprobs:
-                row.prompt_logprobs.append(_top(logp[b], ids[b], want, text_of))
-        elif row.finish:
-            continue
-        elif row.job.cancelled.is_set():
-            row.finish = "abort"
-        elif row.req.max_tokens == 0:
-            row.finish = "length"
-        else:
-            row.add(ids[b], _top(logp[b], ids[b], row.req.logprobs, text_of)
-                    if row.req.logprobs is not None else None)
-
-
-def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
-    """Every rank: batches until rank 0's queue is closed and empty. Rank 0 takes each batch from `queue_`
-    and broadcasts its requests; every rank runs it. Rank 0 keeps the rows and hands their events to the jobs;
-    a step's end of the batch (every row done) is rank 0's decision, made every rank's (StopFlag)."""
-    while True:
-        batch = queue_.next_batch(HEARTBEAT_S) if par.rank == 0 else None
-        requests = par.broadcast_object(None if batch is None else [j.request for j in batch])
-        if requests is None:
+    def on_token(seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        row = seq.tag
+        if row is None or row.finish:
             return
-        if not requests:                             # a heartbeat
+        if row.job.cancelled.is_set():
+            row.finish = "abort"
+            return
+        want = row.req.logprobs
+        lp = None if want is None else _top(torch.log_softmax(logits.float(), -1), token, want, text_of)
+        row.add(token, lp)
+
+    def on_prompt(seq: Sequence, logits: torch.Tensor) -> None:       # [P, V]: position i predicts i + 1
+        row = seq.tag
+        if row is None or not row.req.echo_logprobs:
+            return
+        logp = torch.log_softmax(logits[:-1].float(), -1)
+        row.prompt_logprobs += [_top(logp[i], seq.ids[i + 1], row.req.logprobs or 0, text_of)
+                                for i in range(len(seq.ids) - 1)]
+
+    def on_error(seq: Sequence, e: Exception) -> None:
+        if seq.tag is not None:
+            status = 400 if isinstance(e, ValueError) else 503
+            seq.tag.finish = "error"
+            seq.tag.job.sink(Event("done", finish_reason="error", text=f"{type(e).__name__}: {e}",
+                                   status=status))
+
+    while True:
+        jobs: List[Optional[Job]] = []
+        message = None
+        if par.rank == 0:
+            plan = _plan(queue_, sched, ending)
+            if plan is not None:
+                jobs = plan[1]
+                message = (plan[0], [j.request for j in jobs])
+        message = par.broadcast_object(message)
+        if message is None:
+            return
+        ends, requests = message
+        jobs = jobs if par.rank == 0 else [None] * len(requests)
+        ending = []
+        for number, reason in ends:
+            if number in running:
+                sched.release(running[number][0], reason)
+        for req, job in zip(requests, jobs):
+            row = Row(job, runner.tokenizer, eos_id) if job is not None else None
+            seq = Sequence(req.ids, req.max_tokens, req.sampling.temperature, req.sampling.top_p,
+                           req.sampling.seed, req.echo_logprobs, req.token_types, req.images, tag=row)
+            running[count] = (seq, row)
+            count += 1
+            sched.submit(seq)
+        if sched.idle():
             continue
-        rows = [Row(j, runner.tokenizer, eos_id) for j in batch] if par.rank == 0 else None
-        stop = StopFlag(par, (lambda: all(r.finish or r.job.cancelled.is_set() for r in rows))
-                        if rows is not None else None, next(runner.model.parameters()).device)
+        started = time.perf_counter()
         try:
-            run_batch(runner, requests, rows, stop)
-        except Exception as e:                       # the rows learn why; the error ends the server
-            for row in rows or []:
-                row.job.sink(Event("done", finish_reason="error", text=f"{type(e).__name__}: {e}"))
+            sched.step(on_token, on_prompt, on_error)
+        except Exception as e:               # a failure of the step: every row learns why; the server ends
+            for seq, row in running.values():
+                if row is not None and seq.finish is None:
+                    row.job.sink(Event("done", finish_reason="error", text=f"{type(e).__name__}: {e}"))
             raise
+        runner.stats.add("decode", len(sched.running), time.perf_counter() - started)
+        for number, (seq, row) in list(running.items()):
+            if seq.finish is not None:               # ended by the scheduler (EOS, length) or an error
+                del running[number]
+                if row is not None and seq.finish != "error" and not row.ended:
+                    row.end("stop" if seq.finish == "eos" else seq.finish)
+            elif row is not None and (row.finish or row.job.cancelled.is_set()):
+                ending.append((number, row.finish or "abort"))        # a stop string, a client gone
+                if not row.finish:
+                    row.finish = "abort"
+                row.end()
