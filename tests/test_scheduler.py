@@ -83,14 +83,19 @@ def run(model, seqs, joins, chunk=None):
     return [(s.tokens, got[id(s)][1], got[id(s)][2]) for s in seqs]
 
 
-def test_each_sequence_equals_its_run_alone_whatever_joins_beside_it(model):
+def test_each_sequence_equals_its_run_alone_whatever_joins_beside_it(model, monkeypatch):
     chunk = 7                  # rows still in their prompts between decode steps; odd chunks cut groups
     seqs = sequences(7, seed=0)
     rng = random.Random(5)
     joins = sorted(rng.randrange(0, 25) for _ in seqs)
+    seqs[1].ids, seqs[1].all_logits, joins[1] = seqs[0].ids[::-1], seqs[0].all_logits, joins[0]   # one call
     want = [alone(model, Sequence(s.ids, s.max_new, s.temperature, s.top_p, s.seed, s.all_logits))
             for s in seqs]
+    rows, prefill = [], model.prefill
+    monkeypatch.setattr(model, "prefill",
+                        lambda ids, *a, **kw: rows.append(ids.shape[0]) or prefill(ids, *a, **kw))
     got = run(model, seqs, joins, chunk)
+    assert max(rows) == 2                                 # the two prompts of one length: one call a chunk
     for k, (w, g) in enumerate(zip(want, got)):
         assert g[0] == w[0], f"sequence {k}: tokens"
         assert torch.equal(torch.stack(g[2]), torch.stack(w[2])), f"sequence {k}: logits"

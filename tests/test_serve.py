@@ -254,6 +254,20 @@ def test_sixteen_clients_arriving_at_random_get_their_replies_alone(server):
     assert results == [ask_ids(client, ids, n, s) for ids, n, s in requests]
 
 
+def test_the_official_batch_loop_serves_the_scheduler_s_replies(server, fixture_dir):
+    # --batch-loop official: batches of one shared position (teacher-forced rows), as DeepSeek's loop runs
+    # them; in the invariant order each reply is the one the scheduler gives
+    requests = [(ids, n, None) for ids, n in mixed_requests(4, 40, seed=5, most=6)]
+    official = Served(fixture_dir, os.path.join(fixture_dir, "config.json"),
+                      FLAGS + ["--batch-loop", "official"])
+    try:
+        got = arriving_at_random(official.client(), requests, seed=6)
+    finally:
+        code, out = official.stop()
+    assert code == 0 and "--batch-loop official" in out, out
+    assert got == [ask_ids(server.client(), ids, n) for ids, n, _ in requests]
+
+
 def test_a_client_gone_mid_stream_leaves_the_server_serving(server):
     req = urllib.request.Request(server.url + "/v1/chat/completions", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}, data=json.dumps(

@@ -3,9 +3,10 @@ batch (the endpoint's loop, inference/serve/engine.py).
 
     submit(seq) ----> waiting ----> a free cache row: its prompt prefilled into the row, a chunk per step
                                      (--prefill-chunk), the rows running meanwhile
-    step():  admit into free rows, one prefill chunk for each row still in its prompt, then one decode step
-             of every generating row at its own position (model.decode with positions [B]); each row
-             sampled with its own temperature, top_p and generator
+    step():  admit into free rows, one prefill chunk for each row still in its prompt (neighbouring rows
+             with prompts of one length in one call), then one decode step of every generating row at its
+             own position (model.decode with positions [B]); each row sampled with its own temperature,
+             top_p and generator
     a row that ends (EOS, its max_new tokens, released by the caller: a stop string, its client gone) frees
     its row at once; a request with max_new 0 (a log-likelihood) is a prefill only
 
@@ -120,41 +121,62 @@ class Scheduler:
             seq = self.waiting.pop(0)
             seq.row = self.slots.index(None)
             self.slots[seq.row] = seq
-        for seq in [s for s in self.slots if s is not None and s.done < len(s.ids)]:
+        for group in self._prefill_groups():
             try:
-                self._prefill_chunk(seq, on_token, on_prompt)
+                self._prefill_chunk(group, on_token, on_prompt)
             except (ValueError, torch.OutOfMemoryError, MemoryError) as e:
                 if on_error is None:
                     raise
-                self.release(seq, "error")
-                on_error(seq, e)
+                for seq in group:
+                    self.release(seq, "error")
+                    on_error(seq, e)
         generating = [s for s in self.slots if s is not None and s.done == len(s.ids) and s.finish is None]
         if generating:
             self._decode(generating, on_token)
 
-    def _prefill_chunk(self, seq: Sequence, on_token: TokenHook, on_prompt: Optional[PromptHook]) -> None:
-        """The next chunk of seq's prompt into its row; after the last one its first token (or its end)."""
-        spans = image_spans([seq.images]) if seq.images else ()
-        start = seq.done
-        end = next(e for s, e in chunk_bounds(len(seq.ids), self.chunk, spans) if s == start)
-        ids = torch.tensor([seq.ids[start:end]], dtype=torch.long, device=self.device)
-        types = None if seq.token_types is None else torch.tensor(
-            [seq.token_types[start:end]], dtype=torch.long, device=self.device)
-        out = self.model.prefill(ids, start, images=[seq.images] if seq.images else None, token_types=types,
-                                 all_logits=seq.all_logits, first_row=seq.row)
-        seq.done = end
-        if seq.all_logits:
-            seq.prompt_logits.append(out.logits[0])                    # [s, V]
-        if end < len(seq.ids):
-            return
-        last = out.logits[0, -1] if seq.all_logits else out.logits[0]   # [V]
-        if on_prompt is not None and seq.all_logits:
-            on_prompt(seq, torch.cat(seq.prompt_logits))
-        seq.prompt_logits = []
-        if seq.max_new == 0:
-            self.release(seq, "length")
-            return
-        self._take(seq, self._sample(seq, last[None])[0], last, on_token)
+    def _prefill_groups(self) -> List[List[Sequence]]:
+        """The rows still in their prompts, in groups that one prefill call serves: neighbouring rows at the
+        same point of prompts of the same length (requests sent together), each with images alone."""
+        groups: List[List[Sequence]] = []
+        for seq in self.slots:
+            if seq is None or seq.done >= len(seq.ids):
+                continue
+            last = groups[-1][-1] if groups else None
+            if (last is not None and last.row + 1 == seq.row and len(last.ids) == len(seq.ids)
+                    and last.done == seq.done and last.all_logits == seq.all_logits
+                    and not last.images and not seq.images):
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        return groups
+
+    def _prefill_chunk(self, group: List[Sequence], on_token: TokenHook,
+                       on_prompt: Optional[PromptHook]) -> None:
+        """The next chunk of the group's prompts into their rows (one call); after the last one each one's
+        first token (or its end)."""
+        first = group[0]
+        spans = image_spans([first.images]) if first.images else ()
+        start = first.done
+        end = next(e for s, e in chunk_bounds(len(first.ids), self.chunk, spans) if s == start)
+        ids = torch.tensor([seq.ids[start:end] for seq in group], dtype=torch.long, device=self.device)
+        types = None if first.token_types is None else torch.tensor(
+            [first.token_types[start:end]], dtype=torch.long, device=self.device)
+        out = self.model.prefill(ids, start, images=[first.images] if first.images else None,
+                                 token_types=types, all_logits=first.all_logits, first_row=first.row)
+        for i, seq in enumerate(group):
+            seq.done = end
+            if seq.all_logits:
+                seq.prompt_logits.append(out.logits[i])                # [s, V]
+            if end < len(seq.ids):
+                continue
+            last = out.logits[i, -1] if seq.all_logits else out.logits[i]   # [V]
+            if on_prompt is not None and seq.all_logits:
+                on_prompt(seq, torch.cat(seq.prompt_logits))
+            seq.prompt_logits = []
+            if seq.max_new == 0:
+                self.release(seq, "length")
+                continue
+            self._take(seq, self._sample(seq, last[None])[0], last, on_token)
 
     def _decode(self, seqs: List[Sequence], on_token: TokenHook) -> None:
         """One decode step of the generating rows, each feeding its last token at its own position: a call

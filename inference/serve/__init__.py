@@ -35,6 +35,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add("--batch-wait-ms", type=float, default=100, help="once a request waits, the longest the next batch "
         "waits for the requests being read and tokenized meanwhile (100; none being read: no wait)")
     add("--max-request-mb", type=float, default=32, help="largest request body in MiB (32)")
+    add("--batch-loop", choices=["scheduler", "official"], default="scheduler", help="scheduler: every "
+        "request in a row of its own at its own position, joining and leaving the running batch (default; "
+        "its decode steps run eagerly on a GPU); official: DeepSeek's loop, batches of one shared position "
+        "run to their end (CUDA graphs on a GPU)")
 
 
 def parse_address(text: str) -> Tuple[str, int]:
@@ -87,12 +91,14 @@ def serve(runner, o: argparse.Namespace, eos_id: int, bos_id: int, sock: Optiona
     (torch's CPU kernels run at half speed from another thread, whose OpenMP team competes with the main
     thread's); rank 0 serves HTTP from a second thread, and the other ranks leave signals to rank 0."""
     from .engine import Queue, serve_loop
+    from .official import serve_batches
+    loop = serve_batches if o.batch_loop == "official" else serve_loop
     session = runner.loaded.session
     par, margs = session.par, session.args
     if par.rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):     # rank 0 drains and tells every rank when to stop
             signal.signal(sig, signal.SIG_IGN)
-        serve_loop(runner, par, None, eos_id, log)
+        loop(runner, par, None, eos_id, log)
         return
     import uvicorn
     from .app import Server, build_app
@@ -123,10 +129,10 @@ def serve(runner, o: argparse.Namespace, eos_id: int, bos_id: int, sock: Optiona
     thread = threading.Thread(target=web, name="http", daemon=True)
     thread.start()
     host, port = sock.getsockname()[:2]
-    log.info(f"serving {o.served_model_name} on http://{host}:{port}/v1 (OpenAI API; batches of up to "
-             f"{margs.max_batch_size}, context {margs.max_seq_len}); Ctrl-C stops")
+    log.info(f"serving {o.served_model_name} on http://{host}:{port}/v1 (OpenAI API; {margs.max_batch_size} "
+             f"rows, --batch-loop {o.batch_loop}, context {margs.max_seq_len}); Ctrl-C stops")
     try:
-        serve_loop(runner, par, queue, eos_id, log)
+        loop(runner, par, queue, eos_id, log)
     except BaseException:                               # the model side failed: stop serving, then say why
         http.should_exit = True
         raise

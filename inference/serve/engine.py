@@ -119,8 +119,38 @@ class Queue:
             taken, self.jobs = self.jobs[:n], self.jobs[n:]
             return taken
 
+    def next_batch(self, timeout: float) -> Optional[List[Job]]:
+        """The official loop's next batch (serve/official.py): the oldest job and those with its Sampling, at
+        most max_batch, a job with images alone ([] after `timeout` seconds idle: a heartbeat), or None once
+        closed and empty."""
+        with self.cond:
+            if not self.jobs and not self.closed:
+                self.cond.wait(timeout)
+            if not self.jobs:
+                return None if self.closed else []
+        with self.cond:                             # requests sent together arrive some ms apart
+            start = time.monotonic()
+            settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
+            while not self.closed and len(self.jobs) < self.max_batch and (
+                    time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
+                until = settle if time.monotonic() < settle else deadline
+                self.cond.wait(max(0.0, until - time.monotonic()))
+            self.jobs = [j for j in self.jobs if not j.cancelled.is_set()]     # their clients went away
+            if not self.jobs:
+                return []
+            first = self.jobs[0]
+            if first.request.images:
+                batch = [first]
+            else:
+                batch = [j for j in self.jobs if j.request.sampling == first.request.sampling
+                         and not j.request.images][:self.max_batch]
+            self.jobs = [j for j in self.jobs if j not in batch]
+            return batch
 
-def _top(logp: torch.Tensor, token: int, k: int, decode) -> Dict[str, Any]:
+
+
+
+def top_entry(logp: torch.Tensor, token: int, k: int, decode) -> Dict[str, Any]:
     """A token's log-prob and the k most likely alternatives, from the row's log-softmax [V]."""
     entry = {"token": token, "text": decode(token), "logprob": float(logp[token])}
     if k:
@@ -207,15 +237,15 @@ def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
             row.finish = "abort"
             return
         want = row.req.logprobs
-        lp = None if want is None else _top(torch.log_softmax(logits.float(), -1), token, want, text_of)
-        row.add(token, lp)
+        row.add(token, None if want is None else
+                top_entry(torch.log_softmax(logits.float(), -1), token, want, text_of))
 
     def on_prompt(seq: Sequence, logits: torch.Tensor) -> None:       # [P, V]: position i predicts i + 1
         row = seq.tag
         if row is None or not row.req.echo_logprobs:
             return
         logp = torch.log_softmax(logits[:-1].float(), -1)
-        row.prompt_logprobs += [_top(logp[i], seq.ids[i + 1], row.req.logprobs or 0, text_of)
+        row.prompt_logprobs += [top_entry(logp[i], seq.ids[i + 1], row.req.logprobs or 0, text_of)
                                 for i in range(len(seq.ids) - 1)]
 
     def on_error(seq: Sequence, e: Exception) -> None:

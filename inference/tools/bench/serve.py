@@ -3,11 +3,15 @@ HTTP layer costs against generate.py --input-file on the same prompts.
 
     python -m inference.tools.bench serve                          # the conformance fixture's model, CPU
     python -m inference.tools.bench serve --ckpt-path D --config C --clients 1,4,16 --max-tokens 16
+    python -m inference.tools.bench serve --mixed 16:400 --max-tokens 64     # mixed lengths, token ids
 
 Each client sends its requests one after another (streamed chat completions, greedy); requests per second
 counts all clients' requests over the wall time, time to first token is from sending a request to its first
 token's chunk (the queue wait included). The overhead line runs the same prompts as one generate.py batch file
-at the same --max-batch-size. Figures are printed, never asserted.
+at the same --max-batch-size. With --mixed LO:HI each request is a streamed completion of random token ids, a
+prompt of LO to HI tokens and a reply of 1 to --max-tokens (greedy; the same draws for every run), and a
+last line times a short request (16 tokens, a reply of 1) sent while a long reply (HI tokens, --max-tokens)
+runs. Figures are printed, never asserted.
 """
 import argparse
 import json
@@ -81,14 +85,38 @@ def ask(url: str, prompt: str, max_tokens: int):
     return first if first is not None else time.perf_counter() - start, time.perf_counter() - start
 
 
-def load(url: str, clients: int, per_client: int, max_tokens: int):
-    """`clients` threads, each sending `per_client` requests in turn -> (requests/s, TTFTs, latencies)."""
+def ask_ids(url: str, ids, max_tokens: int):
+    """One streamed completion of token ids -> (seconds to the first token, seconds in all)."""
+    body = {"prompt": [ids], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, first = time.perf_counter(), None
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for line in r:
+            if first is None and line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                first = time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start, time.perf_counter() - start
+
+
+def mixed_work(n: int, lo: int, hi: int, max_tokens: int, seed: int = 0):
+    """n (token ids, reply length): prompts of lo to hi tokens, replies of 1 to max_tokens."""
+    import random
+    rng = random.Random(seed)
+    return [([rng.randrange(10, 1000) for _ in range(rng.randint(lo, hi))], rng.randint(1, max_tokens))
+            for _ in range(n)]
+
+
+def load(url: str, clients: int, per_client: int, max_tokens: int, mixed=None):
+    """`clients` threads, each sending `per_client` requests in turn -> (requests/s, TTFTs, latencies).
+    `mixed` (lo, hi): token-id prompts of mixed lengths (mixed_work)."""
     ttft, latency, lock = [], [], threading.Lock()
-    work = prompts(clients * per_client)
+    work = prompts(clients * per_client) if mixed is None else \
+        mixed_work(clients * per_client, *mixed, max_tokens, seed=clients)
 
     def client(c):
         for k in range(per_client):
-            t, total = ask(url, work[c * per_client + k], max_tokens)
+            w = work[c * per_client + k]
+            t, total = ask(url, w, max_tokens) if mixed is None else ask_ids(url, *w)
             with lock:
                 ttft.append(t)
                 latency.append(total)
@@ -114,6 +142,38 @@ def batch_file_seconds(args, workdir: str, n: int, max_tokens: int) -> float:
     return float(line.rsplit("; total ", 1)[1].split()[0])
 
 
+def _pct(values, q: float) -> float:
+    return sorted(values)[int(q * (len(values) - 1))]
+
+
+def _short_beside_long(url: str, mixed, o) -> str:
+    """A long request (mixed[1] prompt tokens, --max-tokens reply) and, once its first token came, short ones
+    (16 tokens, a reply of 1) one after another while it runs -> their time to first token."""
+    import random
+    rng = random.Random(7)
+    long_ids = [rng.randrange(10, 1000) for _ in range(mixed[1])]
+    started, done, short = threading.Event(), threading.Event(), []
+
+    def long_one():
+        body = {"prompt": [long_ids], "max_tokens": o.max_tokens, "temperature": 0, "stream": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    started.set()
+        done.set()
+    threading.Thread(target=long_one, daemon=True).start()
+    started.wait(1800)
+    long_start = time.perf_counter()
+    while not done.is_set() and len(short) < 20:
+        short.append(ask_ids(url, [rng.randrange(10, 1000) for _ in range(16)], 1)[0])
+    done.wait(1800)
+    return (f"time to first token median {1e3 * statistics.median(short):.0f} ms, p99 "
+            f"{1e3 * _pct(short, 0.99):.0f} ms over {len(short)} requests (the long reply ran "
+            f"{time.perf_counter() - long_start:.1f} s after its first token)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m inference.tools.bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,24 +186,40 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="the server's CPU threads (2)")
     ap.add_argument("--numerics", default="reference")
     ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--mixed", default=None, metavar="LO:HI",
+                    help="token-id prompts of LO to HI tokens, replies of 1 to --max-tokens (not set: the "
+                         "chat prompts above, every reply --max-tokens)")
     o = ap.parse_args(argv)
+    mixed = None
+    if o.mixed is not None:
+        try:
+            mixed = tuple(int(v) for v in o.mixed.split(":"))
+            assert len(mixed) == 2 and 1 <= mixed[0] <= mixed[1]
+        except (ValueError, AssertionError):
+            raise SystemExit(f"bench serve: --mixed {o.mixed}: expected LO:HI, 1 <= LO <= HI") from None
     workdir = tempfile.mkdtemp(prefix="dsv41-bench-serve-")
     try:
         ckpt = o.ckpt_path or fixture_checkpoint(workdir)
         config = o.config or os.path.join(ckpt, "config.json")
         args = ["--ckpt-path", ckpt, "--config", config, "--device", "cpu", "--threads", str(o.threads),
-                "--numerics", o.numerics, "--max-batch-size", str(o.max_batch_size), "--max-seq-len", "256"]
+                "--numerics", o.numerics, "--max-batch-size", str(o.max_batch_size), "--max-seq-len",
+                str(256 if mixed is None else mixed[1] + o.max_tokens + 2)]
         server = Server(args, o.port)
         try:
             ask(server.url, "warm up", 2)
             print(f"server: {o.threads} threads, batches of up to {o.max_batch_size}, numerics {o.numerics}, "
                   f"{o.max_tokens} greedy tokens a reply, {o.requests} requests per client")
             for clients in [int(c) for c in o.clients.split(",")]:
-                rps, ttft, latency = load(server.url, clients, o.requests, o.max_tokens)
-                print(f"{clients:3d} clients: {rps:6.2f} requests/s, {rps * o.max_tokens:7.1f} tokens/s; "
-                      f"time to first token median {1e3 * statistics.median(ttft):7.0f} ms, p90 "
-                      f"{1e3 * sorted(ttft)[int(0.9 * (len(ttft) - 1))]:7.0f} ms; latency median "
+                rps, ttft, latency = load(server.url, clients, o.requests, o.max_tokens, mixed)
+                tokens = f"{rps * o.max_tokens:7.1f} tokens/s; " if mixed is None else ""
+                print(f"{clients:3d} clients: {rps:6.2f} requests/s, {tokens}time to first token median "
+                      f"{1e3 * statistics.median(ttft):7.0f} ms, p90 {1e3 * _pct(ttft, 0.9):7.0f} ms, p99 "
+                      f"{1e3 * _pct(ttft, 0.99):7.0f} ms; latency median "
                       f"{1e3 * statistics.median(latency):7.0f} ms")
+            if mixed is not None:
+                print("a short request sent while a long reply runs: "
+                      + _short_beside_long(server.url, mixed, o))
+                return 0
             n = max(int(c) for c in o.clients.split(","))
             start = time.perf_counter()
             load(server.url, n, 1, o.max_tokens)
