@@ -434,7 +434,7 @@ def test_two_ranks_serve_generate_py_s_reply_and_stop_together(tiny_mp2, tmp_pat
                                                logprobs=0)
         # SIGTERM while a reply streams: the reply is finished, then every rank stops
         late = threading.Thread(target=lambda: in_flight.update(
-            reply=streamed_reply(served.client(), max_tokens=80, started=started)))
+            reply=streamed_reply(served.client(), max_tokens=40, started=started)))
         late.start()
         assert started.wait(120)
     finally:
@@ -444,7 +444,7 @@ def test_two_ranks_serve_generate_py_s_reply_and_stop_together(tiny_mp2, tmp_pat
     assert joined == solo
     assert len(r.choices[0].logprobs.token_logprobs) == 4
     assert code == 0 and "server stopped" in out, out
-    assert in_flight["reply"][2] == "length" and in_flight["reply"][3].completion_tokens == 80
+    assert in_flight["reply"][2] == "length" and in_flight["reply"][3].completion_tokens == 40
 
 
 @pytest.mark.parametrize("extra, message", [
