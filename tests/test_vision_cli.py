@@ -315,3 +315,30 @@ def test_image_errors(demo, case):
     assert "build model" not in proc.stdout    # (torchrun's own launcher traceback is allowed at MP 2)
     errors = [line for line in proc.stderr.splitlines() if "error: " in line]
     assert len(errors) == mp, proc.stderr     # one line per rank
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The endpoint: a request with images takes a cache row like any other (the scheduler)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_the_endpoint_serves_a_reply_with_images_as_batch_mode_gives_it(demo):
+    from test_serve import MODEL, Served
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": IMAGES["gradient"]}},
+        {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": IMAGES["stripes"]}},
+        {"type": "text", "text": QUESTION}]}]
+    src, out = demo["root"] / "served_images.json", demo["root"] / "served_images.jsonl"
+    src.write_text(json.dumps([{"messages": messages}]), encoding="utf-8")
+    proc = run_cli(cli_args(demo) + ["--input-file", str(src), "--max-new-tokens", "3", "--temperature", "0",
+                                     "--output", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [record] = read_jsonl(out)
+    served = Served(demo["mp"][1], demo["config"],
+                    ["--allowed-local-media-path", os.path.dirname(IMAGES["stripes"])])
+    try:
+        r = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                    temperature=0)
+    finally:
+        served.stop()
+    assert r.usage.prompt_tokens == record["prompt_tokens"] == expected_prompt_tokens(demo, messages)
+    assert r.choices[0].message.content == record["content"]

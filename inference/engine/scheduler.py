@@ -28,7 +28,7 @@ from ..state import DecodeStep
 from .prefill import chunk_bounds, image_spans
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One request as the scheduler runs it.
 
@@ -39,8 +39,9 @@ class Sequence:
     token_types, images         a prompt with images (vision.ImageInput spans; never cut by a chunk)
     tag          the caller's (the endpoint's bookkeeping of the request)
 
-    Set while it runs: `row` (its cache row), `done` (prompt positions prefilled), `tokens` (generated),
-    `finish` ("eos", "length", or the caller's reason)."""
+    Set while it runs, by the scheduler alone: `row` (its cache row), `done` (prompt positions prefilled),
+    `tokens` (generated), `finish` ("eos", "length", or the caller's reason), its generator. Sequences compare
+    by identity."""
     ids: List[int]
     max_new: int
     temperature: float = 0.0

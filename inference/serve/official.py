@@ -46,7 +46,8 @@ def run_batch(runner, requests: List[Request], rows: Optional[List[Row]], stop: 
 
     started = time.perf_counter()
     _, logits, _ = prefill(model, tokens[:, :shortest], token_types[:, :shortest] if first.images else None,
-                           first.images, all_logits=echo, chunk=chunk, temperature=0.0)
+                           [first.images] if first.images else None, all_logits=echo, chunk=chunk,
+                           temperature=0.0)
     runner.stats.add("prefill", len(requests) * shortest, time.perf_counter() - started)
     started = time.perf_counter()
     if echo:                                         # [B, P, V]: position i predicts token i + 1
