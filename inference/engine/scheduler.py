@@ -18,6 +18,7 @@ The official loop (generation.py: prefill to the shortest prompt, the rest teach
 Every rank runs the same scheduler on the same inputs (the caller broadcasts what joins and what leaves), so
 its decisions are every rank's without a collective of its own.
 """
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
@@ -25,6 +26,7 @@ import torch
 
 from ..sampling import sample
 from ..state import DecodeStep
+from .generation import Stats
 from .prefill import chunk_bounds, image_spans
 
 
@@ -72,13 +74,17 @@ PromptHook = Callable[[Sequence, torch.Tensor], None]
 
 class Scheduler:
     """The running set of at most `rows` sequences (the model's first `rows` cache rows) and those waiting
-    for a row. `chunk`: prompt positions prefilled per step and row (None: a whole prompt in one call)."""
+    for a row. `chunk`: prompt positions prefilled per step and row (None: a whole prompt in one call);
+    `stats`: where the prefill and decode calls' tokens and seconds are counted (the samples' reads of the
+    logits wait for the device)."""
 
-    def __init__(self, model, rows: int, eos_id: int, chunk: Optional[int] = None):
+    def __init__(self, model, rows: int, eos_id: int, chunk: Optional[int] = None,
+                 stats: Optional[Stats] = None):
         if rows > model.args.max_batch_size:
             raise ValueError(f"{rows} rows: the model's caches hold max_batch_size="
                              f"{model.args.max_batch_size}")
         self.model, self.eos_id, self.chunk = model, eos_id, chunk
+        self.stats = stats if stats is not None else Stats()
         self.device = next(model.parameters()).device
         self.slots: List[Optional[Sequence]] = [None] * rows
         self.waiting: List[Sequence] = []
@@ -123,6 +129,7 @@ class Scheduler:
             seq.row = self.slots.index(None)
             self.slots[seq.row] = seq
         for group in self._prefill_groups():
+            started, before = time.perf_counter(), group[0].done
             try:
                 self._prefill_chunk(group, on_token, on_prompt)
             except (ValueError, torch.OutOfMemoryError, MemoryError) as e:
@@ -131,6 +138,7 @@ class Scheduler:
                 for seq in group:
                     self.release(seq, "error")
                     on_error(seq, e)
+            self.stats.add("prefill", len(group) * (group[0].done - before), time.perf_counter() - started)
         generating = [s for s in self.slots if s is not None and s.done == len(s.ids) and s.finish is None]
         if generating:
             self._decode(generating, on_token)
@@ -184,6 +192,7 @@ class Scheduler:
         per run of rows that no prompt being prefilled interrupts (such a row keeps its state); a free row
         inside a run computes a throw-away token 0 at position 0 in its own cache row, rewritten by the
         prefill of whatever joins there before it is read."""
+        started = time.perf_counter()
         by_row = {s.row: s for s in seqs}
         runs, run = [], []
         for r in range(max(by_row) + 1):
@@ -205,6 +214,7 @@ class Scheduler:
             out = self.model.decode(torch.tensor(ids, device=self.device).view(-1, 1), step).logits  # [b, V]
             logits.update({r: out[i] for i, r in enumerate(rows)})
         chosen = self._sample_rows(seqs, logits)
+        self.stats.add("decode", len(seqs), time.perf_counter() - started)
         for s, t in zip(seqs, chosen):
             self._take(s, t, logits[s.row], on_token)
 

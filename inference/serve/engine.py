@@ -106,13 +106,8 @@ class Queue:
         with self.cond:
             if not self.jobs and not self.closed and timeout > 0:
                 self.cond.wait(timeout)
-                if self.jobs:                           # requests sent together arrive some ms apart
-                    start = time.monotonic()
-                    settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
-                    while not self.closed and len(self.jobs) < min(n, self.max_batch) and (
-                            time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
-                        until = settle if time.monotonic() < settle else deadline
-                        self.cond.wait(max(0.0, until - time.monotonic()))
+                if self.jobs:
+                    self._gather(min(n, self.max_batch))
             if not self.jobs:
                 return None if self.closed else []
             self.jobs = [j for j in self.jobs if not j.cancelled.is_set()]     # their clients went away
@@ -128,13 +123,8 @@ class Queue:
                 self.cond.wait(timeout)
             if not self.jobs:
                 return None if self.closed else []
-        with self.cond:                             # requests sent together arrive some ms apart
-            start = time.monotonic()
-            settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
-            while not self.closed and len(self.jobs) < self.max_batch and (
-                    time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
-                until = settle if time.monotonic() < settle else deadline
-                self.cond.wait(max(0.0, until - time.monotonic()))
+        with self.cond:
+            self._gather(self.max_batch)
             self.jobs = [j for j in self.jobs if not j.cancelled.is_set()]     # their clients went away
             if not self.jobs:
                 return []
@@ -147,7 +137,16 @@ class Queue:
             self.jobs = [j for j in self.jobs if j not in batch]
             return batch
 
-
+    def _gather(self, limit: int) -> None:
+        """With the lock held and a job waiting: let the requests sent with it arrive (they come some ms
+        apart), up to `limit` jobs: GATHER_S in any case, then while requests are being read and tokenized
+        (`arriving()`), gather_s in all."""
+        start = time.monotonic()
+        settle, deadline = start + min(GATHER_S, self.gather_s), start + self.gather_s
+        while not self.closed and len(self.jobs) < limit and (
+                time.monotonic() < settle or self.preparing and time.monotonic() < deadline):
+            until = settle if time.monotonic() < settle else deadline
+            self.cond.wait(max(0.0, until - time.monotonic()))
 
 
 def top_entry(logp: torch.Tensor, token: int, k: int, decode) -> Dict[str, Any]:
@@ -220,7 +219,7 @@ def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
     bookkeeping and hands their events to the jobs. Every rank's scheduler sees the same inputs, so every
     decision it makes (admissions, ends by EOS or length) is every rank's."""
     model = runner.model
-    sched = Scheduler(model, model.args.max_batch_size, eos_id, runner.budget.prefill_chunk)
+    sched = Scheduler(model, model.args.max_batch_size, eos_id, runner.budget.prefill_chunk, runner.stats)
     decode = runner.tokenizer.decode if par.rank == 0 else None
     running: Dict[int, Tuple[Sequence, Optional[Row]]] = {}        # sequence number -> (sequence, row)
     ending: List[Tuple[int, str]] = []
@@ -281,7 +280,6 @@ def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
             sched.submit(seq)
         if sched.idle():
             continue
-        started = time.perf_counter()
         try:
             sched.step(on_token, on_prompt, on_error)
         except Exception as e:               # a failure of the step: every row learns why; the server ends
@@ -289,7 +287,6 @@ def serve_loop(runner, par, queue_: Optional[Queue], eos_id: int, log) -> None:
                 if row is not None and seq.finish is None:
                     row.job.sink(Event("done", finish_reason="error", text=f"{type(e).__name__}: {e}"))
             raise
-        runner.stats.add("decode", len(sched.running), time.perf_counter() - started)
         for number, (seq, row) in list(running.items()):
             if seq.finish is not None:               # ended by the scheduler (EOS, length) or an error
                 del running[number]
