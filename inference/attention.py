@@ -190,5 +190,5 @@ class Attention(nn.Module):
         if latent is not None:
             apply_rotary_(latent[..., -self.rope_dim:], self.freqs()[plan.rope_pos], self.nx)
             self.nx.fp4_qdq_e4m3_(latent)                                      # the cache's rounding
-            self.compress_cache[plan.cache_key(call.batch_rows(b))] = latent
+            self.compress_cache[call.compressed_key(self.ratio, b)] = latent
         return handoff

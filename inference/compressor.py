@@ -44,8 +44,7 @@ class Compressor(nn.Module):
         elif call.per_row:
             # rows at their own positions: each row's slot, every row's group pooled (a row whose group is
             # still open gets a latent past what it sees, written again when its group completes)
-            rows = torch.arange(batch.start, batch.stop, device=x.device).view(-1, 1)      # [B, 1]
-            at = rows, call.positions % 2
+            at = call.row_index(b), call.positions % 2                                    # [B, 1] each
             self.kv_state[at], self.score_state[at] = kv, score
             pooled = self._pool(self.kv_state[batch], self.score_state[batch], 1).unsqueeze(1)   # [B, 1, hd]
         else:

@@ -93,7 +93,7 @@ class Indexer(nn.Module):
             k = self.k_norm(self.wk(latent))                         # [B, n, ihd]
             apply_rotary_(k[..., -self.rope_dim:], freqs[plan.rope_pos], nx)
             nx.fp4_qdq_e8m0_(k)                                      # the cache's rounding
-            self.k_cache[plan.cache_key(batch)] = k
+            self.k_cache[call.compressed_key(self.ratio, b)] = k
             self.publish(call, b, None if call.policy.publish else plan.complete)
         elif self.owns_keys and call.policy.publish:
             self.publish(call, b)                  # a prefill chunk publishes what the whole prefill would

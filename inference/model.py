@@ -179,13 +179,13 @@ class Transformer(nn.Module):
         (DecodeStep.rows: the caches' rows from its first_row on). -> Output: logits [B, V]."""
         if torch.is_tensor(pos):
             pos = DecodeStep.rows(pos)
-        if isinstance(pos, DecodeStep) and pos.parity is None:
-            self.check_inputs(input_ids, 0, first_row=pos.first_row)
-            if pos.pos.shape[0] != input_ids.shape[0] or pos.length > self.args.max_seq_len:
-                raise ValueError(f"positions per row: {pos.pos.shape[0]} positions for {input_ids.shape[0]} "
-                                 f"rows, a length of {pos.length} (max_seq_len={self.args.max_seq_len})")
-            call = ForwardCall.graph_step(pos, self.args, self.ctx.always_publish)
-        elif isinstance(pos, DecodeStep):
+        if isinstance(pos, DecodeStep):
+            if pos.parity is None:                                 # positions per row: checked on the host
+                self.check_inputs(input_ids, 0, first_row=pos.first_row)
+                if pos.pos.shape[0] != input_ids.shape[0] or pos.length > self.args.max_seq_len:
+                    raise ValueError(f"positions per row: {pos.pos.shape[0]} positions for "
+                                     f"{input_ids.shape[0]} rows, a length of {pos.length} "
+                                     f"(max_seq_len={self.args.max_seq_len})")
             call = ForwardCall.graph_step(pos, self.args, self.ctx.always_publish)
         else:
             self.check_inputs(input_ids, pos)

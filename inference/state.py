@@ -134,18 +134,10 @@ class RatioPlan:
     rows: torch.Tensor
     rope_pos: torch.Tensor
     complete: Optional[torch.Tensor] = None
-    per_row: bool = False
 
     @property
     def new(self) -> int:
         return self.rows.shape[-1]
-
-    def cache_key(self, batch: slice):
-        """Where the call's new entries go in a compressed cache [max_batch, T, D]: its rows `rows` of the
-        batch rows `batch`, or each row's own row (positions per row)."""
-        if not self.per_row:
-            return batch, self.rows
-        return torch.arange(batch.start, batch.stop, device=self.rows.device).view(-1, 1), self.rows
 
 
 def window_prefill_idx(s: int, window: int, device=None) -> torch.Tensor:
@@ -229,13 +221,21 @@ class ForwardCall:
         first = self.first_row or 0
         return slice(first, first + b)
 
+    def row_index(self, b: int) -> torch.Tensor:
+        """[b, 1] the caches' batch row of each of the call's b rows (to index a cache row by row)."""
+        rows = self.batch_rows(b)
+        return torch.arange(rows.start, rows.stop, device=self.positions.device).view(-1, 1)
+
     def ring_key(self, b: int):
         """Where a decode step's window row goes in a ring [max_batch, W, D]: each row's slot."""
-        rows = self.batch_rows(b)
-        if not self.per_row:
-            return rows, self.ring_slots
-        first = torch.arange(rows.start, rows.stop, device=self.ring_slots.device).view(-1, 1)     # [B, 1]
-        return first, self.ring_slots
+        return (self.row_index(b) if self.per_row else self.batch_rows(b)), self.ring_slots
+
+    def compressed_key(self, ratio: int, b: int):
+        """Where the call's new compressed entries (or index keys) of the ratio-`ratio` layers go in a cache
+        [max_batch, T, D]: the plan's rows of the call's batch rows, or each row's own group's row (positions
+        per row)."""
+        rows = self.ratios[ratio].rows
+        return (self.row_index(b) if self.per_row else self.batch_rows(b)), rows
 
     @staticmethod
     def prefill(start: int, s: int, args: ModelArgs, device,
@@ -307,7 +307,7 @@ class ForwardCall:
         for r in sorted({r for r in args.compress_ratios if r > 0}):
             rows = pos // r                                                    # [B, 1] each row's group
             complete = ((pos + 1) % r == 0).view(-1) if r > 1 else None      # [B]; ratio 1: every row
-            ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r, complete, per_row=True)
+            ratios[r] = RatioPlan(step.length // r, (pos + 1) // r, rows, rows * r, complete)
         window = window_decode_idx(pos, args.window_size, pos.device).unsqueeze(1)   # [B, 1, W]
         return ForwardCall(Kind.DECODE, None, 1, pos, None, window, ratios, pos % args.window_size,
                            Policy(always_publish, one_by_one=False), first_row=step.first_row)
